@@ -1,0 +1,55 @@
+# Copyright Contributors to the numpyro-fed project.
+# SPDX-License-Identifier: Apache-2.0
+"""numpyro-fed: federated Bayesian inference for ordinary NumPyro models.
+
+Mark the plate that runs over silos (:func:`federate` or :class:`silo_plate`), split
+the data with :class:`FederatedData`, and run a federated algorithm such as
+:class:`SFVI` with the API of NumPyro's ``SVI``.
+"""
+
+from numpyro_fed.algorithms import (
+    SFVI,
+    RunResult,
+    SFVIParams,
+    SFVIState,
+    sfvi,
+)
+from numpyro_fed.data import (
+    FederatedData,
+    split_dirichlet,
+    split_iid,
+    split_label_skew,
+)
+from numpyro_fed.densities import server_log_density, silo_log_density
+from numpyro_fed.diagnostics import compare, format_compare, to_arviz
+from numpyro_fed.families import AutoMeanField, AutoStructured
+from numpyro_fed.handlers import federate, silo_plate
+from numpyro_fed.partition import ModelRoles, analyze
+from numpyro_fed.protocol import FederatedAlgorithm, SiloData
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "AutoMeanField",
+    "AutoStructured",
+    "FederatedAlgorithm",
+    "FederatedData",
+    "ModelRoles",
+    "RunResult",
+    "SFVI",
+    "SFVIParams",
+    "SFVIState",
+    "SiloData",
+    "analyze",
+    "compare",
+    "federate",
+    "format_compare",
+    "server_log_density",
+    "sfvi",
+    "silo_log_density",
+    "silo_plate",
+    "split_dirichlet",
+    "split_iid",
+    "split_label_skew",
+    "to_arviz",
+]

@@ -1,0 +1,126 @@
+# Copyright Contributors to the numpyro-fed project.
+# SPDX-License-Identifier: Apache-2.0
+"""Per-silo log-density terms and the server term, from the ordinary model.
+
+Each silo evaluates the *ordinary model on its own arrays* with the global sites
+supplied; its term sums the log-probabilities of the sites inside the silo plate:
+
+.. math::
+
+    \\log p_\\theta(y_j, z_{L_j} \\mid z_G).
+
+The server term is :math:`\\log p_\\theta(z_G)`, the sites outside the plate. Their
+sum is the pooled log joint (Hassan et al., Supplement S1).
+"""
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from numpyro import handlers
+from numpyro.primitives import Messenger
+
+__all__ = ["data_template", "server_log_density", "silo_log_density", "silo_mask"]
+
+
+class silo_mask(Messenger):
+    """
+    Mask the sites of the silo plate at padded units, so that a padded silo
+    contributes exactly what its real units contribute.
+
+    :param callable fn: the model.
+    :param str plate: name of the silo plate.
+    :param jax.Array mask: boolean array of shape ``(P,)``, True for real units.
+    """
+
+    def __init__(self, fn: Callable | None, plate: str, mask: jax.Array) -> None:
+        self.plate = plate
+        self.mask = mask
+        super().__init__(fn)
+
+    def process_message(self, msg: dict) -> None:
+        if msg["type"] != "sample":
+            return
+        for frame in msg["cond_indep_stack"]:
+            if frame.name == self.plate:
+                mask = self.mask.reshape(self.mask.shape + (1,) * (-frame.dim - 1))
+                msg["fn"] = msg["fn"].mask(mask)
+                return
+
+
+def _in_plate(site: dict, plate: str) -> bool:
+    return any(frame.name == plate for frame in site["cond_indep_stack"])
+
+
+def _sum_log_probs(trace: dict, keep: Callable[[dict], bool]) -> jax.Array:
+    total = jnp.zeros(())
+    for site in trace.values():
+        if site["type"] == "sample" and keep(site):
+            log_prob = site["fn"].log_prob(site["value"])
+            if site["scale"] is not None:
+                log_prob = site["scale"] * log_prob
+            total = total + jnp.sum(log_prob)
+    return total
+
+
+def silo_log_density(
+    model: Callable,
+    plate: str,
+    arrays: dict,
+    mask: jax.Array | None,
+    values: dict,
+    args: tuple = (),
+    kwargs: dict | None = None,
+) -> jax.Array:
+    """
+    One silo's term :math:`\\log p_\\theta(y_j, z_{L_j} \\mid z_G)`.
+
+    :param callable model: the federated model.
+    :param str plate: the silo plate's name.
+    :param dict arrays: the silo's (padded) arrays in the model's layout.
+    :param jax.Array mask: ``(P,)`` booleans, True for the silo's real units, or
+        ``None`` when the silo has no padding.
+    :param dict values: constrained values of every latent site (global and local)
+        and of the model's param sites.
+    :return: a scalar.
+    """
+    masked = handlers.substitute(model, data=values)
+    if mask is not None:
+        masked = silo_mask(masked, plate, mask)
+    trace = handlers.trace(masked).get_trace(*args, **(kwargs or {}), **arrays)
+    return _sum_log_probs(trace, lambda site: _in_plate(site, plate))
+
+
+def server_log_density(
+    model: Callable,
+    plate: str,
+    template: dict,
+    values: dict,
+    args: tuple = (),
+    kwargs: dict | None = None,
+) -> jax.Array:
+    """
+    The server term :math:`\\log p_\\theta(z_G)`: the sites outside the silo plate.
+
+    The model runs on ``template``, arrays shaped like one unit of silo data and filled
+    with zeros: the server never needs data, only the shapes that size global sites.
+
+    :param callable model: the federated model.
+    :param str plate: the silo plate's name.
+    :param dict template: data-free arrays with the model's layout.
+    :param dict values: constrained values of the global sites and param sites.
+    :return: a scalar.
+    """
+    # Local sites are drawn from their prior (values unused); the key is fixed.
+    model = handlers.seed(handlers.substitute(model, data=values), jax.random.key(0))
+    trace = handlers.trace(model).get_trace(*args, **(kwargs or {}), **template)
+    return _sum_log_probs(trace, lambda site: not _in_plate(site, plate))
+
+
+def data_template(arrays: dict[str, Any]) -> dict[str, jax.Array]:
+    """Zero arrays shaped like one unit of ``arrays`` (leading axis of size 1)."""
+    return {
+        name: jnp.zeros((1,) + jnp.shape(value)[1:], jnp.asarray(value).dtype)
+        for name, value in arrays.items()
+    }
+

@@ -1,0 +1,7 @@
+# Copyright Contributors to the numpyro-fed project.
+# SPDX-License-Identifier: Apache-2.0
+"""Variational families with an explicit global / local parameter split."""
+
+from numpyro_fed.families.structured import AutoMeanField, AutoStructured
+
+__all__ = ["AutoMeanField", "AutoStructured"]

@@ -1,0 +1,249 @@
+# Copyright Contributors to the numpyro-fed project.
+# SPDX-License-Identifier: Apache-2.0
+"""Trace a federated model once and derive the role of every site."""
+
+from typing import Any, Callable, NamedTuple
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from numpyro import handlers
+from numpyro.distributions import biject_to
+from numpyro.infer.inspect import get_model_relations
+
+from numpyro_fed.handlers import federate, silo_plate_name
+
+__all__ = ["ModelRoles", "SiteSpec", "analyze", "analyze_call", "call_model", "site_specs"]
+
+
+class SiteSpec(NamedTuple):
+    """Static description of one latent site, used by variational families.
+
+    - **name** - site name.
+    - **shape** - constrained value shape (for a local site, per silo, with the unit
+      axis at ``unit_axis``).
+    - **unconstrained_shape** - shape of the unconstrained value (same convention).
+    - **unit_axis** - axis of the silo plate in the value, or ``None`` for a global site.
+    - **support** - the site's support constraint.
+    - **event_dim** - event dimension of the site's distribution.
+    """
+
+    name: str
+    shape: tuple
+    unconstrained_shape: tuple
+    unit_axis: int | None
+    support: Any
+    event_dim: int
+
+
+class ModelRoles(NamedTuple):
+    """Roles of the sites of a federated model.
+
+    - **silo_plate** - name of the plate whose indices are split across silos.
+    - **silo_dim** - the plate's (negative) batch dimension.
+    - **silo_size** - number of units of the pooled data set.
+    - **global_sites** - latent sample sites outside the silo plate (Z_G).
+    - **local_sites** - latent sample sites inside the silo plate (Z_L).
+    - **observed_sites** - observed sites inside the silo plate (the silos' likelihood).
+    - **param_sites** - ``numpyro.param`` sites of the model (theta, global).
+    """
+
+    silo_plate: str
+    silo_dim: int
+    silo_size: int
+    global_sites: tuple[str, ...]
+    local_sites: tuple[str, ...]
+    observed_sites: tuple[str, ...]
+    param_sites: tuple[str, ...]
+
+
+def call_model(model: Callable, arrays: dict, args: tuple, kwargs: dict) -> Any:
+    """Run ``model`` on one silo's (or the pooled) arrays plus shared arguments."""
+    return model(*args, **kwargs, **arrays)
+
+
+def _trace(model: Callable, arrays: dict, args: tuple, kwargs: dict) -> dict:
+    seeded = handlers.seed(model, jax.random.key(0))
+    # block(): the trace may run inside a guide, whose handlers must not see it.
+    with handlers.block():
+        return handlers.trace(seeded).get_trace(*args, **kwargs, **arrays)
+
+
+def _plate_frames(trace: dict) -> dict[str, Any]:
+    frames = {}
+    for site in trace.values():
+        for frame in site.get("cond_indep_stack", ()):
+            frames[frame.name] = frame
+    return frames
+
+
+def _silo_plate(model: Callable, trace: dict) -> str:
+    names = {silo_plate_name(s) for s in trace.values()} - {None}
+    plates = [n for n, s in trace.items() if s["type"] == "plate"]
+    if isinstance(model, federate):
+        if model.silos not in plates:
+            raise ValueError(
+                f"federate(model, silos={model.silos!r}): the model has no plate named "
+                f"{model.silos!r}; its plates are {plates}."
+            )
+        return model.silos
+    if not names:
+        raise ValueError(
+            "The model has no silo plate: wrap it as nf.federate(model, silos="
+            f"'<plate name>') (its plates are {plates}) or write nf.silo_plate(...) "
+            "in place of the numpyro.plate that runs over silos."
+        )
+    if len(names) > 1:
+        raise ValueError(f"The model marks several silo plates {sorted(names)}: use one.")
+    return names.pop()
+
+
+def _check_dependencies(model, arrays, args, kwargs, global_sites, local_sites):
+    try:
+        relations = get_model_relations(
+            model, model_args=args, model_kwargs={**kwargs, **arrays}
+        )
+    except Exception as err:  # provenance tracing is best-effort for exotic models
+        warnings.warn(
+            f"Could not trace site dependencies ({err!r}); skipping the check that "
+            "global sites do not depend on local ones.",
+            stacklevel=3,
+        )
+        return
+    local = set(local_sites)
+    for name in global_sites:
+        upstream = local.intersection(relations["sample_sample"].get(name, ()))
+        if upstream:
+            raise ValueError(
+                f"Global site {name!r} depends on local site(s) {sorted(upstream)} of "
+                "the silo plate; a global variable must not depend on one silo's "
+                "latents. Move it inside the silo plate or restructure the model."
+            )
+
+
+def analyze(model: Callable, data: Any, *args: Any, **kwargs: Any) -> ModelRoles:
+    """
+    Trace a federated model once and return the role of every site.
+
+    The model runs on silo 0's own arrays (so a silo plate whose size does not
+    follow the data is caught here), plus any shared ``args``/``kwargs``.
+
+    :param callable model: a model wrapped with :class:`~numpyro_fed.federate` or
+        written with :class:`~numpyro_fed.silo_plate`.
+    :param FederatedData data: the federated data set.
+    :return: the model's roles.
+    :rtype: ModelRoles
+    :raises ValueError: for a model with no silo plate, an unknown plate name, a plate
+        sized differently from the data, an observed site outside the silo plate, a
+        discrete latent site, or a global site that depends on a local one.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import jax.numpy as jnp
+        >>> import numpyro, numpyro.distributions as dist
+        >>> import numpyro_fed as nf
+        >>> def model(y):
+        ...     mu = numpyro.sample("mu", dist.Normal(0, 1))
+        ...     with numpyro.plate("data", y.shape[0]):
+        ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+        >>> data = nf.FederatedData.from_groups([0, 1, 1], y=jnp.ones(3))
+        >>> roles = nf.analyze(nf.federate(model, silos="data"), data)
+        >>> roles.global_sites, roles.observed_sites
+        (('mu',), ('y',))
+    """
+    arrays = data.silo(0)
+    trace = _trace(model, arrays, args, kwargs)
+    roles = _roles(model, trace, data.num_units)
+    plate_site = trace.get(roles.silo_plate)
+    size = int(plate_site["args"][0])
+    if size != data.sizes[0]:
+        raise ValueError(
+            f"Silo plate {roles.silo_plate!r} has size {size} when the model runs on "
+            f"silo 0, which holds {data.sizes[0]} units: size the plate from the data "
+            "(e.g. X.shape[0]) so that each silo's run sees its own units, and split "
+            "every array along that plate's axis."
+        )
+    _check_dependencies(
+        model, arrays, args, kwargs, roles.global_sites, roles.local_sites
+    )
+    return roles
+
+
+def analyze_call(model: Callable, args: tuple, kwargs: dict) -> ModelRoles:
+    """Roles from one run of ``model(*args, **kwargs)`` (no data checks): what a
+    guide uses when NumPyro calls it with the pooled data."""
+    trace = _trace(model, {}, args, kwargs)
+    plate = _silo_plate(model, trace)
+    return _roles(model, trace, int(trace[plate]["args"][0]))
+
+
+def _roles(model: Callable, trace: dict, num_units: int) -> ModelRoles:
+    plate = _silo_plate(model, trace)
+    frame = _plate_frames(trace).get(plate)
+    global_sites, local_sites, observed, params = [], [], [], []
+    for name, site in trace.items():
+        inside = silo_plate_name(site) == plate
+        if site["type"] == "param":
+            if inside:
+                raise NotImplementedError(
+                    f"numpyro.param site {name!r} lies inside the silo plate {plate!r}; "
+                    "per-silo parameters are not supported yet: make it a latent site."
+                )
+            params.append(name)
+        elif site["type"] == "sample":
+            if site["is_observed"]:
+                if not inside:
+                    raise ValueError(
+                        f"Observed site {name!r} lies outside the silo plate {plate!r}: "
+                        "its data would belong to no silo. Put it inside the plate."
+                    )
+                observed.append(name)
+            else:
+                if site["fn"].support.is_discrete:
+                    raise ValueError(
+                        f"Latent site {name!r} is discrete; federated VI needs "
+                        "continuous latent sites (marginalize it out of the model)."
+                    )
+                (local_sites if inside else global_sites).append(name)
+    return ModelRoles(
+        silo_plate=plate,
+        silo_dim=int(frame.dim),
+        silo_size=int(num_units),
+        global_sites=tuple(global_sites),
+        local_sites=tuple(local_sites),
+        observed_sites=tuple(observed),
+        param_sites=tuple(params),
+    )
+
+
+def site_specs(
+    model: Callable, roles: ModelRoles, arrays: dict, args: tuple, kwargs: dict
+) -> tuple[dict[str, SiteSpec], dict[str, Any]]:
+    """Shapes and supports of the latent sites, and the model's param sites.
+
+    :return: ``(specs, params)`` where ``params`` maps each param site to
+        ``(init_value, constraint)``.
+    """
+    trace = _trace(model, arrays, args, kwargs)
+    specs = {}
+    for name in roles.global_sites + roles.local_sites:
+        site = trace[name]
+        value = jnp.asarray(site["value"])
+        support = site["fn"].support
+        event_dim = site["fn"].event_dim
+        unconstrained = jax.eval_shape(biject_to(support).inv, value).shape
+        unit_axis = None
+        if name in roles.local_sites:
+            unit_axis = value.ndim - event_dim + roles.silo_dim
+        specs[name] = SiteSpec(
+            name, tuple(value.shape), tuple(unconstrained), unit_axis, support, event_dim
+        )
+    params = {}
+    for name in roles.param_sites:
+        site = trace[name]
+        constraint = site["kwargs"].get("constraint")
+        params[name] = (np.asarray(site["value"]), constraint)
+    return specs, params
