@@ -48,16 +48,21 @@ def synthetic(num_children, seed=0):
     return X.astype(np.float32), y
 
 
-def _time(step, state, repeats):
-    state, loss = step(state)  # compile
-    jax.block_until_ready(loss)
-    times = []
+def _interleaved(steps, states, repeats):
+    """Median time of each step, timing them alternately so that load on the machine
+    affects both alike."""
+    states = list(states)
+    for i, step in enumerate(steps):  # compile and warm up
+        states[i], loss = step(states[i])
+        jax.block_until_ready(loss)
+    times = [[] for _ in steps]
     for _ in range(repeats):
-        start = time.perf_counter()
-        state, loss = step(state)
-        jax.block_until_ready((state, loss))
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
+        for i, step in enumerate(steps):
+            start = time.perf_counter()
+            states[i], loss = step(states[i])
+            jax.block_until_ready((states[i], loss))
+            times[i].append(time.perf_counter() - start)
+    return [float(np.median(t)) for t in times]
 
 
 def bench(num_silos, units_per_silo, repeats):
@@ -69,13 +74,14 @@ def bench(num_silos, units_per_silo, repeats):
     sfvi = nf.SFVI(fed, nf.AutoStructured(fed), optax.adam(1e-2))
     sfvi_state = sfvi.init(jax.random.key(0), data)
     sfvi_step = jax.jit(lambda s: sfvi.update(s, data))
-    t_round = _time(sfvi_step, sfvi_state, repeats)
 
     pooled = data.pooled()
     svi = SVI(fed, nf.AutoStructured(fed), optax.adam(1e-2), Trace_ELBO())
     svi_state = svi.init(jax.random.key(0), **pooled)
     svi_step = jax.jit(lambda s: svi.update(s, **pooled))
-    t_svi = _time(svi_step, svi_state, repeats)
+    t_round, t_svi = _interleaved(
+        [sfvi_step, svi_step], [sfvi_state, svi_state], repeats
+    )
     return {
         "num_silos": num_silos,
         "units": num_silos * units_per_silo,
@@ -87,14 +93,22 @@ def bench(num_silos, units_per_silo, repeats):
 
 def main(args):
     rows = [bench(j, args.units_per_silo, args.repeats) for j in args.num_silos]
-    print(f"{'J':>6} {'units':>7} {'SFVI round (ms)':>16} {'SVI step (ms)':>14} {'ratio':>7}")
+    print(
+        f"{'J':>6} {'units':>7} {'SFVI round (ms)':>16} {'SVI step (ms)':>14} {'ratio':>7}"
+    )
     for r in rows:
-        print(f"{r['num_silos']:>6} {r['units']:>7} {r['sfvi_round_ms']:>16.3f} "
-              f"{r['svi_step_ms']:>14.3f} {r['ratio']:>7.2f}")
+        print(
+            f"{r['num_silos']:>6} {r['units']:>7} {r['sfvi_round_ms']:>16.3f} "
+            f"{r['svi_step_ms']:>14.3f} {r['ratio']:>7.2f}"
+        )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"jax": jax.__version__, "numpyro": numpyro.__version__,
-            "machine": platform.machine(), "cpus": jax.device_count()}
+    meta = {
+        "jax": jax.__version__,
+        "numpyro": numpyro.__version__,
+        "machine": platform.machine(),
+        "cpus": jax.device_count(),
+    }
     out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
     print(f"saved {out}")
 
@@ -103,6 +117,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="SFVI round vs NumPyro SVI step")
     parser.add_argument("--num-silos", type=int, nargs="+", default=[10, 100, 1000])
     parser.add_argument("--units-per-silo", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--out", default="benchmarks/results/sfvi_round.json")
     main(parser.parse_args())

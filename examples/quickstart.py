@@ -49,24 +49,40 @@ def main(args):
 
     fed = nf.federate(model, silos="child")
     schedule = optax.exponential_decay(args.lr, args.num_steps // 3, 0.5)
-    svi = nf.SFVI(fed, nf.AutoStructured(fed), optax.adam(schedule),
-                  num_particles=args.num_particles)
+    svi = nf.SFVI(
+        fed,
+        nf.AutoStructured(fed),
+        optax.adam(schedule),
+        num_particles=args.num_particles,
+    )
     start = time.perf_counter()
-    result = svi.run(jax.random.key(args.seed), args.num_steps, data,
-                     progress_bar=not args.no_progress)
-    print(f"SFVI: {args.num_steps} rounds in {time.perf_counter() - start:.1f}s, "
-          f"final loss {float(result.losses[-100:].mean()):.2f}")
-    posterior = svi.sample_posterior(jax.random.key(1), result.params, data,
-                                     num_samples=args.num_samples)
+    result = svi.run(
+        jax.random.key(args.seed),
+        args.num_steps,
+        data,
+        progress_bar=not args.no_progress,
+    )
+    print(
+        f"SFVI: {args.num_steps} rounds in {time.perf_counter() - start:.1f}s, "
+        f"final loss {float(result.losses[-100:].mean()):.2f}"
+    )
+    posterior = svi.sample_posterior(
+        jax.random.key(1), result.params, data, num_samples=args.num_samples
+    )
 
     start = time.perf_counter()
-    mcmc = MCMC(NUTS(model), num_warmup=args.num_warmup, num_samples=args.num_samples,
-                progress_bar=not args.no_progress)
+    mcmc = MCMC(
+        NUTS(model),
+        num_warmup=args.num_warmup,
+        num_samples=args.num_samples,
+        progress_bar=not args.no_progress,
+    )
     mcmc.run(jax.random.key(2), **data.pooled())
     print(f"NUTS on the pooled data: {time.perf_counter() - start:.1f}s")
 
-    table = nf.compare(posterior, mcmc, var_names=["beta", "omega"],
-                       labels=("sfvi", "nuts"))
+    table = nf.compare(
+        posterior, mcmc, var_names=["beta", "omega"], labels=("sfvi", "nuts")
+    )
     print(nf.format_compare(table))
 
     if args.plot:
@@ -77,7 +93,10 @@ def main(args):
         out = Path(args.plot)
         out.parent.mkdir(parents=True, exist_ok=True)
         plot = az.plot_forest(
-            {"SFVI (2 silos)": nf.to_arviz(posterior), "NUTS (pooled)": nf.to_arviz(mcmc)},
+            {
+                "SFVI (2 silos)": nf.to_arviz(posterior),
+                "NUTS (pooled)": nf.to_arviz(mcmc),
+            },
             var_names=["beta", "omega"],
         )
         plot.savefig(out)

@@ -52,7 +52,12 @@ def six_cities() -> SixCities:
     age = df["age"].to_numpy().reshape(children, 4).astype(float)
     smoke = df["smoke"].to_numpy().reshape(children, 4)[:, 0].astype(float)
     X = np.stack(
-        [np.ones_like(age), np.repeat(smoke[:, None], 4, axis=1), age, smoke[:, None] * age],
+        [
+            np.ones_like(age),
+            np.repeat(smoke[:, None], 4, axis=1),
+            age,
+            smoke[:, None] * age,
+        ],
         axis=-1,
     )
     return SixCities(X, y, smoke)

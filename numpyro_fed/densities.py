@@ -123,4 +123,3 @@ def data_template(arrays: dict[str, Any]) -> dict[str, jax.Array]:
         name: jnp.zeros((1,) + jnp.shape(value)[1:], jnp.asarray(value).dtype)
         for name, value in arrays.items()
     }
-

@@ -14,7 +14,14 @@ from numpyro.infer.inspect import get_model_relations
 
 from numpyro_fed.handlers import federate, silo_plate_name
 
-__all__ = ["ModelRoles", "SiteSpec", "analyze", "analyze_call", "call_model", "site_specs"]
+__all__ = [
+    "ModelRoles",
+    "SiteSpec",
+    "analyze",
+    "analyze_call",
+    "call_model",
+    "site_specs",
+]
 
 
 class SiteSpec(NamedTuple):
@@ -95,7 +102,9 @@ def _silo_plate(model: Callable, trace: dict) -> str:
             "in place of the numpyro.plate that runs over silos."
         )
     if len(names) > 1:
-        raise ValueError(f"The model marks several silo plates {sorted(names)}: use one.")
+        raise ValueError(
+            f"The model marks several silo plates {sorted(names)}: use one."
+        )
     return names.pop()
 
 
@@ -239,7 +248,12 @@ def site_specs(
         if name in roles.local_sites:
             unit_axis = value.ndim - event_dim + roles.silo_dim
         specs[name] = SiteSpec(
-            name, tuple(value.shape), tuple(unconstrained), unit_axis, support, event_dim
+            name,
+            tuple(value.shape),
+            tuple(unconstrained),
+            unit_axis,
+            support,
+            event_dim,
         )
     params = {}
     for name in roles.param_sites:

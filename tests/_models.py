@@ -32,7 +32,9 @@ def hierarchical_data(num_groups=7, num_obs=3, seed=0):
 
 def logistic(X, y):
     """Flat logistic regression: rows are the silo plate ("data"), no local latents."""
-    beta = numpyro.sample("beta", dist.Normal(0.0, 3.0).expand([X.shape[-1]]).to_event(1))
+    beta = numpyro.sample(
+        "beta", dist.Normal(0.0, 3.0).expand([X.shape[-1]]).to_event(1)
+    )
     with numpyro.plate("data", X.shape[0]):
         numpyro.sample("y", dist.Bernoulli(logits=X @ beta), obs=y)
 
@@ -40,15 +42,17 @@ def logistic(X, y):
 def logistic_data(num_rows=40, num_features=3, seed=1):
     rng = np.random.default_rng(seed)
     X = rng.normal(size=(num_rows, num_features))
-    y = (rng.uniform(size=num_rows) < 1 / (1 + np.exp(-X @ np.array([1.0, -1.0, 0.5])))).astype(
-        np.float64
-    )
+    y = (
+        rng.uniform(size=num_rows) < 1 / (1 + np.exp(-X @ np.array([1.0, -1.0, 0.5])))
+    ).astype(np.float64)
     return {"X": jnp.asarray(X), "y": jnp.asarray(y)}
 
 
 def glmm(X, y):
     """The six-cities logistic GLMM (one row of 4 visits per child)."""
-    beta = numpyro.sample("beta", dist.Normal(0.0, 10.0).expand([X.shape[-1]]).to_event(1))
+    beta = numpyro.sample(
+        "beta", dist.Normal(0.0, 10.0).expand([X.shape[-1]]).to_event(1)
+    )
     omega = numpyro.sample("omega", dist.Normal(0.0, 10.0))
     with numpyro.plate("child", X.shape[0], dim=-2):
         b = numpyro.sample("b", dist.Normal(0.0, jnp.exp(-omega)))
@@ -61,8 +65,12 @@ def glmm_data(num_children=20, seed=2):
     age = np.array([-2.0, -1.0, 0.0, 1.0])
     smoke = rng.integers(0, 2, size=num_children).astype(float)
     X = np.stack(
-        [np.ones((num_children, 4)), np.repeat(smoke[:, None], 4, 1),
-         np.tile(age, (num_children, 1)), smoke[:, None] * age],
+        [
+            np.ones((num_children, 4)),
+            np.repeat(smoke[:, None], 4, 1),
+            np.tile(age, (num_children, 1)),
+            smoke[:, None] * age,
+        ],
         axis=-1,
     )
     b = 1.5 * rng.normal(size=(num_children, 1))

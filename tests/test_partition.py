@@ -21,15 +21,24 @@ def test_roles_of_hierarchical_model():
     data = nf.FederatedData.from_groups(np.arange(7) % 3, **m.hierarchical_data())
     roles = nf.analyze(nf.federate(m.hierarchical, silos="group"), data)
     assert roles == nf.ModelRoles(
-        silo_plate="group", silo_dim=-2, silo_size=7, global_sites=("mu", "tau"),
-        local_sites=("b",), observed_sites=("y",), param_sites=("s",),
+        silo_plate="group",
+        silo_dim=-2,
+        silo_size=7,
+        global_sites=("mu", "tau"),
+        local_sites=("b",),
+        observed_sites=("y",),
+        param_sites=("s",),
     )
 
 
 def test_roles_of_flat_regression():
     data = nf.FederatedData.from_groups(np.arange(40) % 4, **m.logistic_data())
     roles = nf.analyze(nf.federate(m.logistic, silos="data"), data)
-    assert (roles.global_sites, roles.local_sites, roles.silo_dim) == (("beta",), (), -1)
+    assert (roles.global_sites, roles.local_sites, roles.silo_dim) == (
+        ("beta",),
+        (),
+        -1,
+    )
 
 
 def test_model_without_silo_plate():
@@ -44,13 +53,16 @@ def test_model_without_silo_plate():
 
 def test_plate_name_not_found():
     with pytest.raises(ValueError, match="no plate named 'rows'.*'group'"):
-        nf.analyze(nf.federate(m.hierarchical, silos="rows"),
-                   nf.FederatedData.from_groups(np.arange(7) % 2, **m.hierarchical_data()))
+        nf.analyze(
+            nf.federate(m.hierarchical, silos="rows"),
+            nf.FederatedData.from_groups(np.arange(7) % 2, **m.hierarchical_data()),
+        )
 
 
 def test_plate_sized_not_from_data():
     """A hard-coded plate size disagrees with what a silo holds: say so, not a
     shape error deep inside JAX."""
+
     def model(y):
         mu = numpyro.sample("mu", dist.Normal())
         with nf.silo_plate("school", 6):
@@ -119,8 +131,12 @@ def test_federated_model_is_still_an_ordinary_model():
     from numpyro.infer.util import log_density
 
     arrays = m.hierarchical_data()
-    params = {"mu": jnp.array([0.3, -0.2]), "tau": jnp.array(0.7), "s": jnp.array(0.9),
-              "b": jnp.ones((7, 1, 2))}
+    params = {
+        "mu": jnp.array([0.3, -0.2]),
+        "tau": jnp.array(0.7),
+        "s": jnp.array(0.9),
+        "b": jnp.ones((7, 1, 2)),
+    }
     a, _ = log_density(m.hierarchical, (), arrays, params)
     b, _ = log_density(nf.federate(m.hierarchical, silos="group"), (), arrays, params)
     np.testing.assert_array_equal(a, b)

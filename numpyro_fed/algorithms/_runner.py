@@ -37,6 +37,7 @@ def run_loop(
     if not isinstance(num_steps, int) or num_steps < 1:
         raise ValueError(f"num_steps must be a positive int, got {num_steps!r}.")
     if not progress_bar:
+
         def body(carry, _):
             return step(carry)
 
@@ -50,6 +51,7 @@ def run_loop(
             if i % batch == 0:
                 recent = np.asarray(jax.device_get(jnp.stack(losses[-batch:])))
                 bar.set_postfix_str(
-                    f"avg. loss [{i - batch + 1}-{i}]: {recent.mean():.4f}", refresh=False
+                    f"avg. loss [{i - batch + 1}-{i}]: {recent.mean():.4f}",
+                    refresh=False,
                 )
     return state, jnp.stack(losses)

@@ -148,7 +148,8 @@ def sfvi(
 
     def init_server(key: jax.Array) -> SFVIServerState:
         theta = _unconstrain(
-            theta_constraints, {k: jnp.asarray(v) for k, (v, _) in guide.param_specs.items()}
+            theta_constraints,
+            {k: jnp.asarray(v) for k, (v, _) in guide.param_specs.items()},
         )
         eta_global = _unconstrain(global_constraints, guide.init_global(key, template))
         return SFVIServerState(theta, eta_global, optimizer.init((theta, eta_global)))
@@ -193,10 +194,16 @@ def sfvi(
 
     silo_grad = jax.value_and_grad(mean_over_particles(silo_term), argnums=(0, 1, 2))
 
-    def silo_step(message: SFVIServerMessage, state: SFVISiloState, data: SiloData, keys):
+    def silo_step(
+        message: SFVIServerMessage, state: SFVISiloState, data: SiloData, keys
+    ):
         elbo, (g_theta, g_eta_g, g_eta_l) = silo_grad(
-            message.theta, message.eta_global, state.eta_local,
-            message.eps_global, keys, data,
+            message.theta,
+            message.eta_global,
+            state.eta_local,
+            message.eps_global,
+            keys,
+            data,
         )
         eta_local, optim_state = _ascent(
             optimizer, g_eta_l, state.optim_state, state.eta_local
@@ -240,7 +247,9 @@ def sfvi(
             weights = finite.reshape((-1,) + (1,) * (silos.ndim - 1))
             return own + jnp.sum(jnp.where(weights, silos, 0.0), axis=0)
 
-        grads = jax.tree.map(total, (g_theta, g_eta_g), (replies.grad_theta, replies.grad_eta_global))
+        grads = jax.tree.map(
+            total, (g_theta, g_eta_g), (replies.grad_theta, replies.grad_eta_global)
+        )
         elbo = elbo0 + jnp.sum(jnp.where(finite, replies.elbo, 0.0))
         params, optim_state = _ascent(
             optimizer, grads, state.optim_state, (state.theta, state.eta_global)
@@ -248,7 +257,9 @@ def sfvi(
         info = SFVIInfo(-elbo, jnp.sum(~finite))
         return SFVIServerState(*params, optim_state), info
 
-    return FederatedAlgorithm(init_server, init_silo, server_message, silo_step, server_step)
+    return FederatedAlgorithm(
+        init_server, init_silo, server_message, silo_step, server_step
+    )
 
 
 def noise_keys(step_key: jax.Array, num_particles: int) -> jax.Array:
@@ -260,11 +271,14 @@ def noise_keys(step_key: jax.Array, num_particles: int) -> jax.Array:
     ``split(guide_seed)[1]`` from the seed handler. Reproducing that chain makes a
     simulated SFVI run equal centralized NumPyro SVI draw for draw.
     """
-    keys = step_key[None] if num_particles == 1 else jax.random.split(step_key, num_particles)
+    keys = (
+        step_key[None]
+        if num_particles == 1
+        else jax.random.split(step_key, num_particles)
+    )
 
     def guide_noise_key(key):
         _, guide_seed = jax.random.split(key)
         return jax.random.split(guide_seed)[1]
 
     return jax.vmap(guide_noise_key)(keys)
-

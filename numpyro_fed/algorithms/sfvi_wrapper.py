@@ -110,9 +110,13 @@ class SFVI:
                 f" got {type(optim).__name__}."
             )
         if not isinstance(num_particles, int) or num_particles < 1:
-            raise ValueError(f"num_particles must be a positive int, got {num_particles!r}.")
+            raise ValueError(
+                f"num_particles must be a positive int, got {num_particles!r}."
+            )
         if runtime not in ("simulate", "sequential"):
-            raise ValueError(f"runtime must be 'simulate' or 'sequential', got {runtime!r}.")
+            raise ValueError(
+                f"runtime must be 'simulate' or 'sequential', got {runtime!r}."
+            )
         self.model = model
         self.guide = guide
         self.optim = optim
@@ -170,9 +174,9 @@ class SFVI:
         algorithm, _ = self._build(data)
         rng_key, server_key, silo_key = jax.random.split(rng_key, 3)
         silo_data = silo_data_of(data)
-        server = algorithm.init_server(server_key)
+        server = jax.jit(algorithm.init_server)(server_key)
         silo_keys = jax.random.split(silo_key, data.num_silos)
-        silos = jax.vmap(algorithm.init_silo)(silo_keys, silo_data)
+        silos = jax.jit(jax.vmap(algorithm.init_silo))(silo_keys, silo_data)
         if init_params is not None:
             server, silos = self._from_params(init_params, data)
         return SFVIState(server, silos, rng_key)
@@ -217,8 +221,13 @@ class SFVI:
         is not applied (the key still advances)."""
         new_state, loss = self.update(state, data)
         ok = jnp.isfinite(loss) & jnp.all(
-            jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(new_state)
-                       if jnp.issubdtype(x.dtype, jnp.floating)])
+            jnp.array(
+                [
+                    jnp.all(jnp.isfinite(x))
+                    for x in jax.tree.leaves(new_state)
+                    if jnp.issubdtype(x.dtype, jnp.floating)
+                ]
+            )
         )
         kept = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, state)
         return kept._replace(rng_key=new_state.rng_key), loss
@@ -260,8 +269,10 @@ class SFVI:
         :param SFVIParams init_params: start from these parameters (warm start).
         :return: ``RunResult(params, state, losses)``.
         """
-        state = init_state if init_state is not None else self.init(
-            rng_key, data, init_params=init_params
+        state = (
+            init_state
+            if init_state is not None
+            else self.init(rng_key, data, init_params=init_params)
         )
         update = self.stable_update if stable_update else self.update
         if self.runtime == "simulate":
@@ -271,14 +282,20 @@ class SFVI:
             )
         else:
             state, losses = run_loop(
-                lambda s: update(s, data), state, num_steps, progress_bar=True
-                if progress_bar else False
+                lambda s: update(s, data),
+                state,
+                num_steps,
+                progress_bar=True if progress_bar else False,
             )
         return RunResult(self.get_params(state), state, losses)
 
     # -------------------------------------------------------------- posterior
     def sample_posterior(
-        self, rng_key: jax.Array, params: SFVIParams, data: Any = None, *,
+        self,
+        rng_key: jax.Array,
+        params: SFVIParams,
+        data: Any = None,
+        *,
         num_samples: int = 1,
     ) -> dict[str, jax.Array]:
         """
@@ -325,6 +342,9 @@ class SFVI:
         out = dict(params.theta)
         out.update({GLOBAL_PREFIX + k: v for k, v in params.eta_global.items()})
         out.update(
-            {LOCAL_PREFIX + k: data.gather_units(v) for k, v in params.eta_local.items()}
+            {
+                LOCAL_PREFIX + k: data.gather_units(v)
+                for k, v in params.eta_local.items()
+            }
         )
         return out

@@ -23,9 +23,15 @@ import numpyro
 from numpyro import handlers
 import numpyro.distributions as dist
 from numpyro.distributions import biject_to, constraints
-from numpyro.infer.initialization import init_to_median
+from numpyro.infer.initialization import init_to_uniform
 
-from numpyro_fed.partition import ModelRoles, SiteSpec, analyze, analyze_call, site_specs
+from numpyro_fed.partition import (
+    ModelRoles,
+    SiteSpec,
+    analyze,
+    analyze_call,
+    site_specs,
+)
 
 __all__ = ["AutoMeanField", "AutoStructured"]
 
@@ -42,9 +48,13 @@ def _gaussian_log_density(z, loc, scale, tril):
     """log N(z; loc, diag(scale) L L^T diag(scale)) with L unit lower-triangular."""
     white = (z - loc) / scale
     if tril is not None:
-        white = solve_triangular(_unit_tril(tril), white, lower=True, unit_diagonal=True)
+        white = solve_triangular(
+            _unit_tril(tril), white, lower=True, unit_diagonal=True
+        )
     n = z.shape[-1]
-    return -0.5 * n * _LOG_2PI - jnp.sum(jnp.log(scale), -1) - 0.5 * jnp.sum(white**2, -1)
+    return (
+        -0.5 * n * _LOG_2PI - jnp.sum(jnp.log(scale), -1) - 0.5 * jnp.sum(white**2, -1)
+    )
 
 
 class AutoStructured:
@@ -100,11 +110,13 @@ class AutoStructured:
         global_cov: str = "full",
         coupling: bool = True,
         local_cov: str = "diag",
-        init_loc_fn: Callable = init_to_median(num_samples=15),
+        init_loc_fn: Callable = init_to_uniform,
         init_scale: float = 0.1,
     ) -> None:
         if global_cov not in ("full", "diag"):
-            raise ValueError(f"global_cov must be 'full' or 'diag', got {global_cov!r}.")
+            raise ValueError(
+                f"global_cov must be 'full' or 'diag', got {global_cov!r}."
+            )
         if local_cov not in ("full", "diag"):
             raise ValueError(f"local_cov must be 'full' or 'diag', got {local_cov!r}.")
         if not init_scale > 0:
@@ -137,7 +149,9 @@ class AutoStructured:
     @property
     def global_dim(self) -> int:
         """:math:`n_G`, the size of the unconstrained global vector."""
-        return sum(int(np.prod(s.unconstrained_shape)) for s in self.global_specs.values())
+        return sum(
+            int(np.prod(s.unconstrained_shape)) for s in self.global_specs.values()
+        )
 
     @property
     def local_dim(self) -> int:
@@ -177,7 +191,9 @@ class AutoStructured:
         )
         with handlers.block():
             trace = handlers.trace(model).get_trace(*args, **kwargs, **arrays)
-        return {name: trace[name]["value"] for name in self.global_specs | self.local_specs}
+        return {
+            name: trace[name]["value"] for name in self.global_specs | self.local_specs
+        }
 
     def init_global(self, key: jax.Array, template: dict, args=(), kwargs=None) -> dict:
         """Initial (constrained) global parameters :math:`\\eta_G`."""
@@ -346,7 +362,9 @@ class AutoStructured:
         if eta_l:
             if unit_ids is None:
                 unit_ids = jnp.arange(eta_l["loc"].shape[0])
-            local_values, log_q_local = self.draw_local(eta_g, eta_l, z_g, key, unit_ids)
+            local_values, log_q_local = self.draw_local(
+                eta_g, eta_l, z_g, key, unit_ids
+            )
             values = {**values, **local_values}
             log_q = log_q + jnp.sum(log_q_local)
         return values, log_q

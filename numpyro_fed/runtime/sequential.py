@@ -49,5 +49,7 @@ def sequential_round(
         )
         replies.append(reply)
         new_states.append(state)
-    server_state, info = algorithm.server_step(server_state, _stack(replies), server_key)
+    server_state, info = algorithm.server_step(
+        server_state, _stack(replies), server_key
+    )
     return server_state, _stack(new_states), info

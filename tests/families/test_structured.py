@@ -16,18 +16,23 @@ from tests import _models as m
 def _random_params(guide, units, key):
     n_g, n_l = guide.global_dim, guide.local_dim
     k = jax.random.split(key, 8)
-    eta_g = {"loc": jax.random.normal(k[0], (n_g,)),
-             "scale": jnp.exp(0.3 * jax.random.normal(k[1], (n_g,))),
-             "tril": 0.5 * jax.random.normal(k[2], (n_g, n_g))}
-    eta_l = {"loc": jax.random.normal(k[3], (units, n_l)),
-             "scale": jnp.exp(0.3 * jax.random.normal(k[4], (units, n_l))),
-             "coupling": 0.5 * jax.random.normal(k[5], (units, n_l, n_g)),
-             "tril": 0.5 * jax.random.normal(k[6], (units, n_l, n_l))}
+    eta_g = {
+        "loc": jax.random.normal(k[0], (n_g,)),
+        "scale": jnp.exp(0.3 * jax.random.normal(k[1], (n_g,))),
+        "tril": 0.5 * jax.random.normal(k[2], (n_g, n_g)),
+    }
+    eta_l = {
+        "loc": jax.random.normal(k[3], (units, n_l)),
+        "scale": jnp.exp(0.3 * jax.random.normal(k[4], (units, n_l))),
+        "coupling": 0.5 * jax.random.normal(k[5], (units, n_l, n_g)),
+        "tril": 0.5 * jax.random.normal(k[6], (units, n_l, n_l)),
+    }
     return eta_g, eta_l
 
 
 def _joint_moments(eta_g, eta_l):
     """Implied joint mean and covariance of (z_G, z_L1, ..., z_LU) [spec §2.2]."""
+
     def cov(scale, tril):
         factor = scale[:, None] * _unit_tril(tril)
         return factor @ factor.T
@@ -67,9 +72,13 @@ def test_log_density_is_joint_gaussian(guide):
     key = jax.random.key(1)
     z_g = guide.sample_global(eta_g, guide.global_noise(key))
     z_l = guide.sample_local(eta_g, eta_l, z_g, guide.local_noise(key, jnp.arange(4)))
-    ours = guide.log_q_global(eta_g, z_g) + guide.log_q_local(eta_g, eta_l, z_g, z_l).sum()
+    ours = (
+        guide.log_q_global(eta_g, z_g) + guide.log_q_local(eta_g, eta_l, z_g, z_l).sum()
+    )
     z = jnp.concatenate([z_g, z_l.reshape(-1)])
-    np.testing.assert_allclose(ours, dist.MultivariateNormal(mean, cov).log_prob(z), rtol=1e-10)
+    np.testing.assert_allclose(
+        ours, dist.MultivariateNormal(mean, cov).log_prob(z), rtol=1e-10
+    )
 
 
 def test_monte_carlo_moments(guide):
@@ -80,7 +89,9 @@ def test_monte_carlo_moments(guide):
 
     def draw(key):
         z_g = guide.sample_global(eta_g, guide.global_noise(key))
-        z_l = guide.sample_local(eta_g, eta_l, z_g, guide.local_noise(key, jnp.arange(2)))
+        z_l = guide.sample_local(
+            eta_g, eta_l, z_g, guide.local_noise(key, jnp.arange(2))
+        )
         return jnp.concatenate([z_g, z_l.reshape(-1)])
 
     n = 200_000
@@ -100,7 +111,11 @@ def test_numpyro_guide_log_density(guide):
 
     data = m.hierarchical_data()
     tr = handlers.trace(handlers.seed(guide, 0)).get_trace(**data)
-    eta_g = {k[len("_fed_global_"):]: tr[k]["value"] for k in tr if k.startswith("_fed_global_")}
+    eta_g = {
+        k[len("_fed_global_") :]: tr[k]["value"]
+        for k in tr
+        if k.startswith("_fed_global_")
+    }
     assert set(eta_g) == {"loc", "scale", "tril"}
     tau = tr["tau"]["value"]
     assert tau > 0 and tr["b"]["value"].shape == (7, 1, 2)
@@ -118,11 +133,14 @@ def test_mean_field_has_no_coupling():
     assert (g.global_dim, g.local_dim) == (3, 2)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(global_cov="dense"), "global_cov"),
-    (dict(local_cov="block"), "local_cov"),
-    (dict(init_scale=0.0), "init_scale"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(global_cov="dense"), "global_cov"),
+        (dict(local_cov="block"), "local_cov"),
+        (dict(init_scale=0.0), "init_scale"),
+    ],
+)
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         nf.AutoStructured(nf.federate(m.hierarchical, silos="group"), **kwargs)
