@@ -99,6 +99,7 @@ def main(args):
             },
             var_names=["beta", "omega"],
         )
+        plot.add_legend("model")
         plot.savefig(out)
         print(f"forest plot saved to {out}")
 

@@ -31,12 +31,15 @@ def run_loop(
     num_steps: int,
     *,
     progress_bar: bool = True,
+    scan: bool = True,
     description: str = "rounds",
 ) -> tuple[Any, jax.Array]:
-    """Apply a jitted ``step(state) -> (state, loss)`` ``num_steps`` times."""
+    """Apply a jitted ``step(state) -> (state, loss)`` ``num_steps`` times: inside one
+    ``lax.scan`` when there is no progress bar and ``scan`` is allowed, otherwise in
+    a Python loop."""
     if not isinstance(num_steps, int) or num_steps < 1:
         raise ValueError(f"num_steps must be a positive int, got {num_steps!r}.")
-    if not progress_bar:
+    if not progress_bar and scan:
 
         def body(carry, _):
             return step(carry)
@@ -44,11 +47,11 @@ def run_loop(
         return lax.scan(body, state, None, length=num_steps)
     losses = []
     batch = max(num_steps // 20, 1)
-    with trange(1, num_steps + 1, desc=description) as bar:
+    with trange(1, num_steps + 1, desc=description, disable=not progress_bar) as bar:
         for i in bar:
             state, loss = step(state)
             losses.append(loss)
-            if i % batch == 0:
+            if progress_bar and i % batch == 0:
                 recent = np.asarray(jax.device_get(jnp.stack(losses[-batch:])))
                 bar.set_postfix_str(
                     f"avg. loss [{i - batch + 1}-{i}]: {recent.mean():.4f}",

@@ -276,16 +276,17 @@ class SFVI:
         )
         update = self.stable_update if stable_update else self.update
         if self.runtime == "simulate":
-            step = jax.jit(lambda s, d: update(s, d))
+            step = jax.jit(update)
             state, losses = run_loop(
                 lambda s: step(s, data), state, num_steps, progress_bar=progress_bar
             )
-        else:
+        else:  # one silo at a time, in Python: never traced into a scan
             state, losses = run_loop(
                 lambda s: update(s, data),
                 state,
                 num_steps,
-                progress_bar=True if progress_bar else False,
+                progress_bar=progress_bar,
+                scan=False,
             )
         return RunResult(self.get_params(state), state, losses)
 
