@@ -342,10 +342,15 @@ class SFVI:
         (``SVI(model, guide, ...)`` with ``init_params=...``, or ``Predictive``)."""
         out = dict(params.theta)
         out.update({GLOBAL_PREFIX + k: v for k, v in params.eta_global.items()})
-        out.update(
-            {
-                LOCAL_PREFIX + k: data.gather_units(v)
-                for k, v in params.eta_local.items()
-            }
-        )
+        for k, v in params.eta_local.items():
+            if k == "silo_tril":  # one factor over a whole silo: pooled only if J = 1
+                if data.num_silos != 1 or data.padded_size != data.num_units:
+                    raise ValueError(
+                        "A silo-wide local covariance (local_cov='silo') has no pooled "
+                        "layout across several silos: the family depends on the "
+                        "partition."
+                    )
+                out[LOCAL_PREFIX + k] = v[0]
+            else:
+                out[LOCAL_PREFIX + k] = data.gather_units(v)
         return out

@@ -44,17 +44,21 @@ def _unit_tril(raw: jax.Array) -> jax.Array:
     return jnp.tril(raw, -1) + jnp.eye(raw.shape[-1], dtype=raw.dtype)
 
 
-def _gaussian_log_density(z, loc, scale, tril):
-    """log N(z; loc, diag(scale) L L^T diag(scale)) with L unit lower-triangular."""
+def _gaussian_log_density_terms(z, loc, scale, tril):
+    """Per-coordinate terms of log N(z; loc, diag(scale) L L^T diag(scale)), L unit
+    lower-triangular; term i depends on coordinates <= i only, so a sum over a
+    leading block is that block's marginal density."""
     white = (z - loc) / scale
     if tril is not None:
         white = solve_triangular(
             _unit_tril(tril), white, lower=True, unit_diagonal=True
         )
-    n = z.shape[-1]
-    return (
-        -0.5 * n * _LOG_2PI - jnp.sum(jnp.log(scale), -1) - 0.5 * jnp.sum(white**2, -1)
-    )
+    return -0.5 * _LOG_2PI - jnp.log(scale) - 0.5 * white**2
+
+
+def _gaussian_log_density(z, loc, scale, tril):
+    """log N(z; loc, diag(scale) L L^T diag(scale)) with L unit lower-triangular."""
+    return jnp.sum(_gaussian_log_density_terms(z, loc, scale, tril), -1)
 
 
 class AutoStructured:
@@ -71,7 +75,10 @@ class AutoStructured:
         :class:`~numpyro_fed.silo_plate`).
     :param str global_cov: ``"full"`` (unit lower-triangular :math:`L_G`) or ``"diag"``.
     :param bool coupling: learn :math:`C_j` (``True``) or fix it at zero.
-    :param str local_cov: ``"diag"``, or ``"full"`` for a full covariance within each
+    :param str local_cov: ``"diag"``; ``"full"`` for a full covariance within each
+        unit's local latents; or ``"silo"`` for one full covariance over all the local
+        latents of a silo (the paper's silo-wide :math:`L_j`: re-partitioning the units
+        then changes the family, so SFVI is no longer partition-invariant).
         unit's local latents.
     :param callable init_loc_fn: NumPyro init strategy for the locations.
     :param float init_scale: initial scale of every factor.
@@ -117,8 +124,10 @@ class AutoStructured:
             raise ValueError(
                 f"global_cov must be 'full' or 'diag', got {global_cov!r}."
             )
-        if local_cov not in ("full", "diag"):
-            raise ValueError(f"local_cov must be 'full' or 'diag', got {local_cov!r}.")
+        if local_cov not in ("full", "diag", "silo"):
+            raise ValueError(
+                f"local_cov must be 'full', 'diag' or 'silo', got {local_cov!r}."
+            )
         if not init_scale > 0:
             raise ValueError(f"init_scale must be positive, got {init_scale!r}.")
         self.model = model
@@ -179,6 +188,8 @@ class AutoStructured:
             loc["coupling"] = constraints.real
         if self.local_cov == "full":
             loc["tril"] = constraints.real
+        if self.local_cov == "silo":
+            loc["silo_tril"] = constraints.real
         if self.global_dim == 0:
             glob = {}
         if self.local_dim == 0:
@@ -222,6 +233,8 @@ class AutoStructured:
             eta["coupling"] = jnp.zeros((units, n, self.global_dim), loc.dtype)
         if self.local_cov == "full":
             eta["tril"] = jnp.zeros((units, n, n), loc.dtype)
+        if self.local_cov == "silo":
+            eta["silo_tril"] = jnp.zeros((units * n, units * n), loc.dtype)
         return eta
 
     # ------------------------------------------------------------ vector layout
@@ -307,11 +320,24 @@ class AutoStructured:
         one row per unit."""
         if "tril" in eta_l:
             eps = jnp.einsum("uij,uj->ui", _unit_tril(eta_l["tril"]), eps)
+        if "silo_tril" in eta_l:
+            eps = (_unit_tril(eta_l["silo_tril"]) @ eps.reshape(-1)).reshape(eps.shape)
         return self._local_mean(eta_g, eta_l, z_g) + eta_l["scale"] * eps
 
     def log_q_local(self, eta_g, eta_l, z_g, z_l) -> jax.Array:
-        """Per-unit :math:`\\log q(z_{L} \\mid z_G)`, shape ``(units,)``."""
+        """Per-unit :math:`\\log q(z_{L} \\mid z_G)`, shape ``(units,)``. With
+        ``local_cov="silo"`` the units are not independent: the terms are the chain-rule
+        factors :math:`\\log q(z_{L,u} \\mid z_{L,<u}, z_G)`, which sum to the joint, so
+        masking trailing (padded) units stays exact."""
         mean = self._local_mean(eta_g, eta_l, z_g)
+        if "silo_tril" in eta_l:
+            terms = _gaussian_log_density_terms(
+                z_l.reshape(-1),
+                mean.reshape(-1),
+                eta_l["scale"].reshape(-1),
+                eta_l["silo_tril"],
+            )
+            return terms.reshape(z_l.shape).sum(-1)
         tril = eta_l.get("tril")
         if tril is None:
             return _gaussian_log_density(z_l, mean, eta_l["scale"], None)

@@ -424,3 +424,51 @@ def test_partition_invariance_needs_per_unit_noise():
     # Round 0's loss is computed before any update, but the local draws already
     # differ between the partitions.
     assert not np.allclose(losses[0], losses[1], rtol=1e-6)
+
+
+def test_silo_wide_local_covariance_breaks_partition_invariance():
+    """T3, negative case: with one local covariance per silo (local_cov="silo") the
+    family depends on the partition. Both runs start from the same q (the silo factor
+    starts at the identity), so round 0 agrees; after one step J = 1 has learned
+    cross-unit correlations that J = 3 cannot represent."""
+    losses = []
+    for num_silos in (1, 3):
+        guide_kwargs = dict(global_cov="full", coupling=True, local_cov="silo")
+        fed, guide, svi, data = _setup("hierarchical", num_silos, guide_kwargs)
+        state = svi.init(jax.random.key(0), data)
+        if losses:
+            state = svi.init(
+                jax.random.key(0),
+                data,
+                init_params=_repartition_silo(first, first_data, data),
+            )
+        else:
+            first, first_data = svi.get_params(state), data
+        losses.append(
+            svi.run(None, 6, data, init_state=state, progress_bar=False).losses
+        )
+    np.testing.assert_allclose(losses[0][0], losses[1][0], rtol=1e-10)
+    assert not np.allclose(losses[0][1:], losses[1][1:], rtol=1e-6)
+
+
+def _repartition_silo(params, old_data, new_data):
+    """Per-unit parameters move with their units; the silo factor restarts at I."""
+    per_unit = {k: v for k, v in params.eta_local.items() if k != "silo_tril"}
+    pooled = jax.tree.map(old_data.gather_units, per_unit)
+    local = jax.tree.map(new_data.scatter_units, pooled)
+    n = local["loc"].shape[1] * local["loc"].shape[2]
+    local["silo_tril"] = jnp.zeros((new_data.num_silos, n, n))
+    return params._replace(eta_local=local)
+
+
+def test_silo_wide_guide_is_a_numpyro_guide():
+    """local_cov="silo" with J = 1 still equals centralized NumPyro SVI."""
+    fed, guide, svi, data = _setup(
+        "hierarchical",
+        1,
+        dict(global_cov="full", coupling=True, local_cov="silo"),
+        stl=False,
+    )
+    state, ref = _numpyro_svi_losses(fed, guide, svi, data, 10, optax.adam(0.05))
+    result = svi.run(None, 10, data, init_state=state, progress_bar=False)
+    np.testing.assert_allclose(result.losses, ref.losses, rtol=1e-9)
