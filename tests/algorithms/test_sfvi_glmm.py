@@ -4,8 +4,8 @@
 
 import jax
 import numpy as np
-from numpyro.infer import MCMC, NUTS
 from numpyro.diagnostics import effective_sample_size
+from numpyro.infer import MCMC, NUTS
 import optax
 import pytest
 
