@@ -1,22 +1,32 @@
 # numpyro-fed: `make demo` and `make test` set up .venv (Python >= 3.12) when missing.
+# The interpreter is found by scripts/find-python.sh; override with PYTHON=/path/to/python3.12.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+
 export JAX_PLATFORMS := cpu
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: venv test test-slow demo bench lint clean
+.DELETE_ON_ERROR:
+.PHONY: venv install test test-slow demo bench lint clean
 
+# Create the virtual environment. A leftover .venv whose python no longer runs (or is
+# older than 3.12) is rebuilt from scratch.
 $(PY):
 	@interp=$$(bash scripts/find-python.sh) || exit 1; \
-	echo "creating $(VENV) with $$interp"; \
-	"$$interp" -m venv $(VENV)
+	echo "creating $(VENV) with $$interp ($$("$$interp" -c 'import sys; print(sys.version.split()[0])'))"; \
+	rm -rf $(VENV); \
+	"$$interp" -m venv $(VENV) || { rm -rf $(VENV); exit 1; }
 
+# Install the package and its dev/examples extras; redone when pyproject.toml changes.
 $(STAMP): $(PY) pyproject.toml
+	@$(PY) -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null || { \
+	  echo "$(VENV) does not run Python >= 3.12; run 'make clean' and try again." >&2; exit 1; }
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[dev,examples]"
-	@touch $(STAMP)
+	@touch $@
 
-venv: $(STAMP)
+venv install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
@@ -35,3 +45,4 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+	find . -path ./.git -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +

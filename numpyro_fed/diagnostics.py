@@ -110,8 +110,14 @@ def to_arviz(
     if num_chains is None:
         posterior = {k: v[None] for k, v in draws.items()}
     else:
-        if isinstance(num_chains, bool) or int(num_chains) != num_chains or num_chains < 1:
-            raise ValueError(f"num_chains must be a positive integer, got {num_chains!r}.")
+        if (
+            isinstance(num_chains, bool)
+            or int(num_chains) != num_chains
+            or num_chains < 1
+        ):
+            raise ValueError(
+                f"num_chains must be a positive integer, got {num_chains!r}."
+            )
         num_chains = int(num_chains)
         posterior = {}
         for name, value in draws.items():
@@ -151,9 +157,13 @@ def _pooled(source: Any, side: str) -> dict[str, np.ndarray | dist.Distribution]
             f"{side}: expected a dict, a numpyro MCMC or an xarray.DataTree, "
             f"not {type(source).__name__}."
         )
-    distributions = {k: v for k, v in source.items() if isinstance(v, dist.Distribution)}
+    distributions = {
+        k: v for k, v in source.items() if isinstance(v, dist.Distribution)
+    }
     if distributions and side == "fed":
-        raise TypeError(f"fed: sites {list(distributions)} are Distributions, not draws.")
+        raise TypeError(
+            f"fed: sites {list(distributions)} are Distributions, not draws."
+        )
     rest = {
         k: v
         for k, v in source.items()

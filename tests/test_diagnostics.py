@@ -109,8 +109,13 @@ def test_compare_identical():
     draws = _draws()
     table = nf.compare(draws, draws)
     assert list(table.columns) == [
-        "mean_fed", "mean_reference", "sd_fed", "sd_reference",
-        "mean_diff_sd", "sd_ratio", "w2",
+        "mean_fed",
+        "mean_reference",
+        "sd_fed",
+        "sd_reference",
+        "mean_diff_sd",
+        "sd_ratio",
+        "w2",
     ]
     assert len(table) == 1 + 6
     np.testing.assert_array_equal(table["mean_diff_sd"], 0.0)
@@ -160,12 +165,14 @@ def test_compare_normal_reference():
     assert row["mean_reference"] == 0.8 and row["sd_reference"] == 1.5
     assert row["mean_diff_sd"] == pytest.approx((m - 0.8) / 1.5, rel=1e-12)
     assert row["sd_ratio"] == pytest.approx(s / 1.5, rel=1e-12)
-    assert row["w2"] == pytest.approx(np.sqrt((m - 0.8) ** 2 + (s - 1.5) ** 2), rel=1e-12)
+    assert row["w2"] == pytest.approx(
+        np.sqrt((m - 0.8) ** 2 + (s - 1.5) ** 2), rel=1e-12
+    )
 
 
 def test_compare_mvn_reference_and_shape_check():
     rng = np.random.default_rng(2)
-    cov = np.array([[4.0, 1.0], [1.0, 0.25]])
+    cov = np.array([[4.0, 0.5], [0.5, 0.25]])
     loc = np.array([1.0, -2.0])
     draws = {"beta": rng.multivariate_normal(loc, cov, size=500)}
     table = nf.compare(draws, {"beta": dist.MultivariateNormal(loc, cov)})
@@ -173,7 +180,9 @@ def test_compare_mvn_reference_and_shape_check():
     np.testing.assert_allclose(table["sd_reference"], [2.0, 0.5], rtol=1e-12)
     np.testing.assert_allclose(table["mean_reference"], loc, rtol=1e-12)
     m, s = draws["beta"].mean(0), draws["beta"].std(0, ddof=1)
-    np.testing.assert_allclose(table["w2"], np.hypot(m - loc, s - [2.0, 0.5]), rtol=1e-12)
+    np.testing.assert_allclose(
+        table["w2"], np.hypot(m - loc, s - [2.0, 0.5]), rtol=1e-12
+    )
     with pytest.raises(ValueError, match=r"'beta'.*shape \(\)"):
         nf.compare(draws, {"beta": dist.Normal(0.0, 1.0)})
 
@@ -185,7 +194,9 @@ def test_compare_multidim_labels():
     assert list(table.index) == [f"b[{i},{j}]" for i in range(2) for j in range(3)]
     b01 = table.loc["b[0,1]"]
     assert b01["mean_fed"] == pytest.approx(draws["b"][:, 0, 1].mean(), rel=1e-12)
-    assert b01["sd_reference"] == pytest.approx(other["b"][:, 0, 1].std(ddof=1), rel=1e-12)
+    assert b01["sd_reference"] == pytest.approx(
+        other["b"][:, 0, 1].std(ddof=1), rel=1e-12
+    )
 
 
 def test_compare_pools_chains():
@@ -193,7 +204,9 @@ def test_compare_pools_chains():
     table = nf.compare(nf.to_arviz(draws, num_chains=4), draws)
     np.testing.assert_array_equal(table["w2"], 0.0)
     assert table.loc["mu", "mean_fed"] == pytest.approx(draws["mu"].mean(), rel=1e-12)
-    assert table.loc["mu", "sd_fed"] == pytest.approx(draws["mu"].std(ddof=1), rel=1e-12)
+    assert table.loc["mu", "sd_fed"] == pytest.approx(
+        draws["mu"].std(ddof=1), rel=1e-12
+    )
 
 
 def test_compare_var_names_and_errors():
@@ -215,8 +228,13 @@ def test_format_compare():
     text = nf.format_compare(nf.compare(draws, {"mu": dist.Normal(1.0, 2.0)}), digits=2)
     lines = text.splitlines()
     assert lines[0].split() == [
-        "mean_fed", "mean_reference", "sd_fed", "sd_reference",
-        "mean_diff_sd", "sd_ratio", "w2",
+        "mean_fed",
+        "mean_reference",
+        "sd_fed",
+        "sd_reference",
+        "mean_diff_sd",
+        "sd_ratio",
+        "w2",
     ]
     assert lines[1].split()[0] == "mu"
     assert lines[1].split()[1] == f"{round(draws['mu'].mean(), 2)}"
