@@ -1,0 +1,118 @@
+# Copyright Contributors to the numpyro-fed project.
+# SPDX-License-Identifier: Apache-2.0
+"""T7 (seed 000 spec §6.2): the Gaussian W2 barycenter and its parameterization."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from numpyro_fed.aggregate import (
+    cov_to_scale_tril,
+    scale_tril_to_cov,
+    w2_barycenter,
+    w2_barycenter_diag,
+    weighted_mean,
+)
+
+
+def _random_covs(key, num, dim):
+    a = jax.random.normal(key, (num, dim, dim))
+    return a @ jnp.swapaxes(a, -1, -2) + 0.5 * jnp.eye(dim)
+
+
+def _sqrtm(m):
+    values, vectors = np.linalg.eigh(np.asarray(m))
+    return (vectors * np.sqrt(values)) @ vectors.T
+
+
+def test_identical_inputs_return_the_input():
+    cov = _random_covs(jax.random.key(0), 1, 3)[0]
+    loc = jnp.array([1.0, -2.0, 0.5])
+    (bary_loc, bary_cov), info = w2_barycenter(
+        jnp.stack([loc] * 4), jnp.stack([cov] * 4)
+    )
+    np.testing.assert_allclose(bary_loc, loc, rtol=1e-12)
+    np.testing.assert_allclose(bary_cov, cov, rtol=1e-10, atol=1e-12)
+    assert int(info.num_iterations) <= 2
+
+
+def test_diagonal_case_averages_standard_deviations():
+    scales = jnp.array([[1.0, 2.0], [3.0, 0.5], [2.0, 2.0]])
+    locs = jnp.arange(6.0).reshape(3, 2)
+    (loc, scale), _ = w2_barycenter_diag(locs, scales)
+    np.testing.assert_allclose(scale, scales.mean(0), rtol=1e-14)
+    np.testing.assert_allclose(loc, locs.mean(0), rtol=1e-14)
+    # the full-covariance iteration agrees with the closed form
+    (_, cov), _ = w2_barycenter(locs, jax.vmap(jnp.diag)(scales**2))
+    np.testing.assert_allclose(jnp.sqrt(jnp.diag(cov)), scales.mean(0), rtol=1e-10)
+
+
+def test_commuting_covariances_closed_form():
+    """Co-diagonalisable covariances: Sigma* = (mean_j Sigma_j^{1/2})^2."""
+    q, _ = jnp.linalg.qr(jax.random.normal(jax.random.key(1), (3, 3)))
+    spectra = jnp.array([[1.0, 4.0, 9.0], [4.0, 1.0, 0.25], [2.0, 3.0, 5.0]])
+    covs = jnp.stack([q @ jnp.diag(s) @ q.T for s in spectra])
+    (_, cov), info = w2_barycenter(jnp.zeros((3, 3)), covs)
+    root = jnp.mean(jnp.stack([q @ jnp.diag(jnp.sqrt(s)) @ q.T for s in spectra]), 0)
+    np.testing.assert_allclose(cov, root @ root, rtol=1e-9, atol=1e-12)
+    assert float(info.residual) <= 1e-12
+
+
+@pytest.mark.parametrize(
+    "weights", [None, jnp.array([0.5, 0.2, 0.2, 0.1])], ids=["uniform", "weighted"]
+)
+def test_fixed_point_equation_holds(weights):
+    covs = _random_covs(jax.random.key(2), 4, 4)
+    (_, cov), info = w2_barycenter(jnp.zeros((4, 4)), covs, weights)
+    w = np.full(4, 0.25) if weights is None else np.asarray(weights)
+    root = _sqrtm(cov)
+    rhs = sum(wj * _sqrtm(root @ np.asarray(c) @ root) for wj, c in zip(w, covs))
+    np.testing.assert_allclose(cov, rhs, rtol=1e-9, atol=1e-10)
+    assert int(info.num_iterations) < 200
+
+
+def test_order_invariance():
+    covs = _random_covs(jax.random.key(3), 5, 3)
+    locs = jax.random.normal(jax.random.key(4), (5, 3))
+    perm = jnp.array([3, 0, 4, 1, 2])
+    (a_loc, a_cov), _ = w2_barycenter(locs, covs)
+    (b_loc, b_cov), _ = w2_barycenter(locs[perm], covs[perm])
+    np.testing.assert_allclose(a_loc, b_loc, rtol=1e-12)
+    np.testing.assert_allclose(a_cov, b_cov, rtol=1e-9, atol=1e-12)
+
+
+def test_agrees_with_ott_jax():
+    from ott.geometry.costs import Bures
+
+    dim = 3
+    covs = _random_covs(jax.random.key(5), 3, dim)
+    locs = jax.random.normal(jax.random.key(6), (3, dim))
+    weights = jnp.array([0.2, 0.3, 0.5])
+    (loc, cov), _ = w2_barycenter(locs, covs, weights)
+    xs = jnp.concatenate([locs, covs.reshape(3, -1)], axis=1)
+    x, _ = Bures(dimension=dim).barycenter(weights, xs, tolerance=1e-10)
+    np.testing.assert_allclose(loc, x[:dim], rtol=1e-8)
+    # ott's matrix square roots are iterative (Newton-Schulz): agreement to ~1e-4.
+    np.testing.assert_allclose(cov, x[dim:].reshape(dim, dim), rtol=1e-3, atol=1e-4)
+
+
+def test_cov_scale_tril_round_trip():
+    cov = _random_covs(jax.random.key(7), 1, 4)[0]
+    scale, tril = cov_to_scale_tril(cov)
+    np.testing.assert_allclose(jnp.diag(tril), 1.0, rtol=1e-14)
+    np.testing.assert_allclose(jnp.triu(tril, 1), 0.0)
+    assert jnp.all(scale > 0)
+    np.testing.assert_allclose(scale_tril_to_cov(scale, tril), cov, rtol=1e-12)
+
+
+def test_jit_and_weighted_mean():
+    covs = _random_covs(jax.random.key(8), 3, 2)
+    locs = jnp.ones((3, 2))
+    eager = w2_barycenter(locs, covs)
+    jitted = jax.jit(w2_barycenter)(locs, covs)
+    np.testing.assert_allclose(eager[0][1], jitted[0][1], rtol=1e-12)
+    tree = {"a": jnp.array([1.0, 2.0, 6.0]), "b": jnp.ones((3, 2))}
+    out = weighted_mean(tree, jnp.array([1.0, 1.0, 2.0]))
+    np.testing.assert_allclose(out["a"], 3.75)
+    np.testing.assert_allclose(out["b"], 1.0)
