@@ -67,7 +67,9 @@ def test_fixed_point_equation_holds(weights):
     (_, cov), info = w2_barycenter(jnp.zeros((4, 4)), covs, weights)
     w = np.full(4, 0.25) if weights is None else np.asarray(weights)
     root = _sqrtm(cov)
-    rhs = sum(wj * _sqrtm(root @ np.asarray(c) @ root) for wj, c in zip(w, covs))
+    rhs = sum(
+        wj * _sqrtm(root @ np.asarray(c) @ root) for wj, c in zip(w, covs, strict=True)
+    )
     np.testing.assert_allclose(cov, rhs, rtol=1e-9, atol=1e-10)
     assert int(info.num_iterations) < 200
 
