@@ -15,6 +15,7 @@ Run: ``python benchmarks/sfvi_round.py`` (writes ``benchmarks/results/sfvi_round
 
 import argparse
 import json
+import os
 from pathlib import Path
 import platform
 import time
@@ -107,7 +108,8 @@ def main(args):
         "jax": jax.__version__,
         "numpyro": numpyro.__version__,
         "machine": platform.machine(),
-        "cpus": jax.device_count(),
+        "jax_devices": jax.device_count(),
+        "cpu_count": os.cpu_count(),
     }
     out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
     print(f"saved {out}")

@@ -198,39 +198,27 @@ def test_matches_numpyro_svi_step_for_step(name, num_silos):
     state, ref = _numpyro_svi_losses(fed, guide, svi, data, 25, optax.adam(0.05))
     result = svi.run(None, 25, data, init_state=state, progress_bar=False)
     np.testing.assert_allclose(result.losses, ref.losses, rtol=1e-9)
-    tree_allclose = m.tree_allclose
-    tree_allclose(
-        svi.pooled_params(result.params, data),
-        {k: ref.params[k] for k in svi.pooled_params(result.params, data)},
-        rtol=1e-8,
-        atol=1e-10,
-    )
+    ours = svi.pooled_params(result.params, data)
+    m.tree_allclose(ours, {k: ref.params[k] for k in ours}, rtol=1e-8, atol=1e-10)
 
 
 @pytest.mark.parametrize("guide_kwargs", list(GUIDES.values()), ids=list(GUIDES))
 def test_partition_invariance(guide_kwargs):
     """T3: with per-unit local factors and per-unit noise, J = 1, 3 and one silo per
     unit give the same STL trajectory up to summation order."""
-    results = []
-    for num_silos in (1, 3, 7):
-        fed, guide, svi, data = _setup("hierarchical", num_silos, guide_kwargs)
-        state = svi.init(jax.random.key(0), data)
-        if results:  # same starting point for every partition
-            state = svi.init(
-                jax.random.key(0),
-                data,
-                init_params=_repartition(results[0][0], results[0][1], data),
-            )
+    _, _, base_svi, base_data = _setup("hierarchical", 1, guide_kwargs)
+    base_state = base_svi.init(jax.random.key(0), base_data)
+    start = base_svi.get_params(base_state)
+    base = base_svi.run(None, 30, base_data, init_state=base_state, progress_bar=False)
+    for num_silos in (3, 7):
+        _, _, svi, data = _setup("hierarchical", num_silos, guide_kwargs)
+        init = _repartition(start, base_data, data)
+        state = svi.init(jax.random.key(0), data, init_params=init)
         result = svi.run(None, 30, data, init_state=state, progress_bar=False)
-        results.append(
-            (svi.get_params(state), results[0][1] if results else data, result, data)
-        )
-    base = results[0][2]
-    for _, _, result, data in results[1:]:
         np.testing.assert_allclose(result.losses, base.losses, rtol=1e-9)
         m.tree_allclose(
-            nf.SFVI.pooled_params(None, result.params, data),
-            nf.SFVI.pooled_params(None, base.params, results[0][3]),
+            svi.pooled_params(result.params, data),
+            base_svi.pooled_params(base.params, base_data),
             rtol=1e-8,
             atol=1e-10,
         )
@@ -247,25 +235,24 @@ def test_padding_invariance():
     equals the unpadded run on the real units."""
     arrays = m.hierarchical_data()
     fed = nf.federate(m.hierarchical, silos="group")
+    groups = m.split_groups(7, 2)
     runs = []
     for pad in (None, 6):
-        data = nf.FederatedData.from_groups(m.split_groups(7, 2), pad_to=pad, **arrays)
+        data = nf.FederatedData.from_groups(groups, pad_to=pad, **arrays)
         svi = nf.SFVI(fed, nf.AutoStructured(fed, local_cov="full"), optax.adam(0.05))
-        state = svi.init(jax.random.key(0), data)
         if runs:
-            state = svi.init(
-                jax.random.key(0),
-                data,
-                init_params=_repartition(runs[0][0], runs[0][2], data),
-            )
+            init = _repartition(runs[0][0], runs[0][2], data)
+            state = svi.init(jax.random.key(0), data, init_params=init)
+        else:
+            state = svi.init(jax.random.key(0), data)
         result = svi.run(None, 20, data, init_state=state, progress_bar=False)
-        runs.append((svi.get_params(state), result, data))
-    (_, a, data_a), (_, b, data_b) = runs
+        runs.append((svi.get_params(state), result, data, svi))
+    (_, a, data_a, svi_a), (_, b, data_b, svi_b) = runs
     assert data_b.padded_size == 6 and data_a.padded_size == 4
     np.testing.assert_allclose(a.losses, b.losses, rtol=1e-10)
     m.tree_allclose(
-        nf.SFVI.pooled_params(None, a.params, data_a),
-        nf.SFVI.pooled_params(None, b.params, data_b),
+        svi_a.pooled_params(a.params, data_a),
+        svi_b.pooled_params(b.params, data_b),
         rtol=1e-9,
         atol=1e-12,
     )
