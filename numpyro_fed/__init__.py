@@ -10,10 +10,13 @@ the data with :class:`FederatedData`, and run a federated algorithm such as
 from numpyro_fed.algorithms import (
     SFVI,
     RunResult,
+    SFVIAvg,
     SFVIParams,
     SFVIState,
     sfvi,
+    sfvi_avg,
 )
+from numpyro_fed.baselines import fit_centralized, fit_independent
 from numpyro_fed.data import (
     FederatedData,
     split_dirichlet,
@@ -37,15 +40,19 @@ __all__ = [
     "ModelRoles",
     "RunResult",
     "SFVI",
+    "SFVIAvg",
     "SFVIParams",
     "SFVIState",
     "SiloData",
     "analyze",
     "compare",
     "federate",
+    "fit_centralized",
+    "fit_independent",
     "format_compare",
     "server_log_density",
     "sfvi",
+    "sfvi_avg",
     "silo_log_density",
     "silo_plate",
     "split_dirichlet",

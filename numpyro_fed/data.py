@@ -39,8 +39,10 @@ class _StaticIds:
         return self._hash
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _StaticIds) and self.ids.shape == other.ids.shape and (
-            bool(np.array_equal(self.ids, other.ids))
+        return (
+            isinstance(other, _StaticIds)
+            and self.ids.shape == other.ids.shape
+            and (bool(np.array_equal(self.ids, other.ids)))
         )
 
 

@@ -8,7 +8,7 @@ one-silo-at-a-time, Flower). A round is::
 
     message = server_message(server_state, server_key)          # server -> silos
     reply_j, silo_state_j = silo_step(message, silo_state_j, silo_data_j, silo_key_j)
-    server_state, info = server_step(server_state, replies, server_key)  # silos -> server
+    server_state, info = server_step(server_state, replies, server_key, participating)
 
 ``server_message`` is split out of ``server_step`` (DESIGN.md bundles them) so that a
 round's broadcast is drawn from that round's key: a runtime can then replay any round,
@@ -49,10 +49,11 @@ class FederatedAlgorithm(NamedTuple):
       broadcasts this round.
     - **silo_step** - ``(server_message, silo_state, silo_data, key) ->
       (silo_message, silo_state)``: the whole silo side of a round.
-    - **server_step** - ``(server_state, silo_messages, key) ->
-      ``silo_messages`` are stacked along a leading silo axis, with a boolean
-      ``participating`` mask of shape ``(J,)`` passed in ``info`` conventions of the
-      algorithm.
+    - **server_step** - ``(server_state, silo_messages, key, participating) ->
+      (server_state, info)``: ``silo_messages`` are stacked along a leading silo
+      axis and ``participating`` (``(J,)`` booleans, or ``None`` for all) says which
+      of them were sent this round. Partial participation is the runtime's choice;
+      how to aggregate a subset is the algorithm's.
     """
 
     init_server: Callable[..., Any]

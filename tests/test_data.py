@@ -163,15 +163,19 @@ def test_from_silos_ragged_nested_axis():
 
 
 def test_from_silos_ragged_nested_without_mask_raises():
-    silos = [{"y": np.ones((5, 3)), "x": np.ones(5)},
-             {"y": np.ones((4, 2)), "x": np.ones(4)}]
+    silos = [
+        {"y": np.ones((5, 3)), "x": np.ones(5)},
+        {"y": np.ones((4, 2)), "x": np.ones(4)},
+    ]
     with pytest.raises(ValueError, match=r"\['y'\].*boolean mask"):
         FederatedData.from_silos(silos)
 
 
 def test_from_silos_empty_nested_axis_raises():
-    silos = [{"y": np.ones((2, 0)), "m": np.ones((2, 0), bool)},
-             {"y": np.ones((1, 2)), "m": np.ones((1, 2), bool)}]
+    silos = [
+        {"y": np.ones((2, 0)), "m": np.ones((2, 0), bool)},
+        {"y": np.ones((1, 2)), "m": np.ones((1, 2), bool)},
+    ]
     with pytest.raises(ValueError, match="'y' of silo 0 has an empty nested axis"):
         FederatedData.from_silos(silos)
 
@@ -211,46 +215,84 @@ def test_pytree_jit_and_vmap():
 
 GOOD = {"y": np.ones(4), "x": np.ones((4, 2))}
 ERRORS = {
-    "length": (lambda: FederatedData.from_groups([0, 1, 0, 1, 1], y=np.ones(4)),
-               r"'y' has 4 .* group_ids has 5"),
-    "scalar": (lambda: FederatedData.from_groups([0, 1], y=np.ones(2), s=3.0),
-               "'s' is a scalar"),
-    "0-d": (lambda: FederatedData.from_silos([{"y": np.ones(2), "s": jnp.array(1.0)}]),
-            "'s' of silo 0 is a scalar"),
+    "length": (
+        lambda: FederatedData.from_groups([0, 1, 0, 1, 1], y=np.ones(4)),
+        r"'y' has 4 .* group_ids has 5",
+    ),
+    "scalar": (
+        lambda: FederatedData.from_groups([0, 1], y=np.ones(2), s=3.0),
+        "'s' is a scalar",
+    ),
+    "0-d": (
+        lambda: FederatedData.from_silos([{"y": np.ones(2), "s": jnp.array(1.0)}]),
+        "'s' of silo 0 is a scalar",
+    ),
     "no-arrays": (lambda: FederatedData.from_groups([0, 1]), "at least one array"),
-    "empty-silo": (lambda: FederatedData.from_silos(
-        [GOOD, {"y": np.ones(0), "x": np.ones((0, 2))}]), "silo 1 holds no data"),
+    "empty-silo": (
+        lambda: FederatedData.from_silos(
+            [GOOD, {"y": np.ones(0), "x": np.ones((0, 2))}]
+        ),
+        "silo 1 holds no data",
+    ),
     "no-silos": (lambda: FederatedData.from_silos([]), "at least one silo"),
-    "missing-key": (lambda: FederatedData.from_silos([GOOD, {"y": np.ones(2)}]),
-                    r"Silo 1 .*missing \['x'\]"),
-    "extra-key": (lambda: FederatedData.from_silos([GOOD, {**GOOD, "w": np.ones(4)}]),
-                  r"Silo 1 .*extra \['w'\]"),
-    "leading-axis": (lambda: FederatedData.from_silos(
-        [GOOD, {"y": np.ones(3), "x": np.ones((2, 2))}]), r"silo 1.*'y': 3, 'x': 2"),
-    "nan": (lambda: FederatedData.from_groups(
-        [0, 1, 1, 1], y=np.array([0.0, np.nan, 1.0, np.nan])),
-            r"'y' of silo 1 \(label 1\) has 2 non-finite"),
-    "inf": (lambda: FederatedData.from_silos(
-        [GOOD, {"y": np.array([1.0, np.inf]), "x": np.ones((2, 2))}]),
-            "'y' of silo 1 has 1 non-finite"),
-    "pad_to": (lambda: FederatedData.from_groups([0, 0, 0, 1], pad_to=2, y=np.ones(4)),
-               r"pad_to=2 .*largest silo \(3\)"),
-    "negative-label": (lambda: FederatedData.from_groups([0, -1, 1], y=np.ones(3)),
-                       "1 negative"),
-    "ndim-mismatch": (lambda: FederatedData.from_silos(
-        [GOOD, {"y": np.ones((4, 1)), "x": np.ones((4, 2))}]), "'y' differs across"),
-    "string-array": (lambda: FederatedData.from_groups([0, 1], s=np.array(["a", "b"])),
-                     "'s' of silo 0 .*not numeric"),
+    "missing-key": (
+        lambda: FederatedData.from_silos([GOOD, {"y": np.ones(2)}]),
+        r"Silo 1 .*missing \['x'\]",
+    ),
+    "extra-key": (
+        lambda: FederatedData.from_silos([GOOD, {**GOOD, "w": np.ones(4)}]),
+        r"Silo 1 .*extra \['w'\]",
+    ),
+    "leading-axis": (
+        lambda: FederatedData.from_silos(
+            [GOOD, {"y": np.ones(3), "x": np.ones((2, 2))}]
+        ),
+        r"silo 1.*'y': 3, 'x': 2",
+    ),
+    "nan": (
+        lambda: FederatedData.from_groups(
+            [0, 1, 1, 1], y=np.array([0.0, np.nan, 1.0, np.nan])
+        ),
+        r"'y' of silo 1 \(label 1\) has 2 non-finite",
+    ),
+    "inf": (
+        lambda: FederatedData.from_silos(
+            [GOOD, {"y": np.array([1.0, np.inf]), "x": np.ones((2, 2))}]
+        ),
+        "'y' of silo 1 has 1 non-finite",
+    ),
+    "pad_to": (
+        lambda: FederatedData.from_groups([0, 0, 0, 1], pad_to=2, y=np.ones(4)),
+        r"pad_to=2 .*largest silo \(3\)",
+    ),
+    "negative-label": (
+        lambda: FederatedData.from_groups([0, -1, 1], y=np.ones(3)),
+        "1 negative",
+    ),
+    "ndim-mismatch": (
+        lambda: FederatedData.from_silos(
+            [GOOD, {"y": np.ones((4, 1)), "x": np.ones((4, 2))}]
+        ),
+        "'y' differs across",
+    ),
+    "string-array": (
+        lambda: FederatedData.from_groups([0, 1], s=np.array(["a", "b"])),
+        "'s' of silo 0 .*not numeric",
+    ),
     "iid-silos": (lambda: split_iid(10, 0), "num_silos must be a positive"),
     "iid-negative": (lambda: split_iid(10, -2), "num_silos must be a positive"),
     "iid-sizes": (lambda: split_iid(537, 2, sizes=[300, 236]), "sum to 536"),
     "skew-silos": (lambda: split_label_skew(np.arange(10), 0), "num_silos"),
     "skew-dominant": (lambda: split_label_skew(np.arange(10), 2, 1.5), "dominant"),
     "dirichlet-alpha": (lambda: split_dirichlet(np.arange(10), 2, 0.0), "alpha"),
-    "dirichlet-min": (lambda: split_dirichlet(np.arange(10), 4, 1.0, min_size=3),
-                      "min_size=3"),
-    "dirichlet-attempts": (lambda: split_dirichlet(np.arange(20) % 2, 10, 0.01,
-                                                   min_size=2), "1000 attempts"),
+    "dirichlet-min": (
+        lambda: split_dirichlet(np.arange(10), 4, 1.0, min_size=3),
+        "min_size=3",
+    ),
+    "dirichlet-attempts": (
+        lambda: split_dirichlet(np.arange(20) % 2, 10, 0.01, min_size=2),
+        "1000 attempts",
+    ),
 }
 
 
@@ -260,9 +302,11 @@ def test_validation_errors(make, match):
         make()
 
 
-@pytest.mark.parametrize("num_units, num_silos, expected",
-                         [(10, 3, [4, 3, 3]), (12, 4, [3] * 4), (5, 5, [1] * 5)],
-                         ids=["uneven", "even", "singletons"])
+@pytest.mark.parametrize(
+    "num_units, num_silos, expected",
+    [(10, 3, [4, 3, 3]), (12, 4, [3] * 4), (5, 5, [1] * 5)],
+    ids=["uneven", "even", "singletons"],
+)
 def test_split_iid_sizes(num_units, num_silos, expected):
     ids = split_iid(num_units, num_silos, seed=3)
     assert len(ids) == num_units and np.issubdtype(ids.dtype, np.integer)
@@ -279,8 +323,11 @@ def test_split_iid_explicit_sizes_and_seed():
     np.testing.assert_array_equal(data.pooled()["y"], np.arange(537.0))
 
 
-@pytest.mark.parametrize("num_classes, num_silos", [(10, 10), (5, 5), (10, 20)],
-                         ids=["10-classes", "5-classes", "two-silos-per-class"])
+@pytest.mark.parametrize(
+    "num_classes, num_silos",
+    [(10, 10), (5, 5), (10, 20)],
+    ids=["10-classes", "5-classes", "two-silos-per-class"],
+)
 def test_split_label_skew_dominant_share(num_classes, num_silos):
     labels = np.repeat(np.arange(num_classes), 1000 // num_classes)
     ids = split_label_skew(labels, num_silos, 0.9, seed=2)
@@ -308,16 +355,18 @@ def test_split_label_skew_leftovers_and_exhausted_labels():
 
 def test_split_dirichlet_reproducible_and_non_empty():
     labels = np.repeat(np.arange(5), 40)
-    split = lambda seed, alpha=0.3: split_dirichlet(labels, 8, alpha, seed=seed,
-                                                    min_size=5)
+    split = lambda seed, alpha=0.3: split_dirichlet(
+        labels, 8, alpha, seed=seed, min_size=5
+    )
     a = split(4)
     np.testing.assert_array_equal(a, split(4))
     assert not np.array_equal(a, split(5))
     assert len(a) == 200 and np.bincount(a, minlength=8).min() >= 5
 
     def top_share(ids):  # mean share of each silo's most frequent label
-        return np.mean([np.bincount(labels[ids == j]).max() / np.sum(ids == j)
-                        for j in range(8)])
+        return np.mean(
+            [np.bincount(labels[ids == j]).max() / np.sum(ids == j) for j in range(8)]
+        )
 
     # small alpha: silos dominated by few labels; large alpha: close to iid (0.2)
     assert top_share(a) > 0.45 and top_share(split(4, alpha=1e3)) < 0.35

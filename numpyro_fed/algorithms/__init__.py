@@ -11,10 +11,23 @@ from numpyro_fed.algorithms.sfvi import (
     SFVISiloState,
     sfvi,
 )
-from numpyro_fed.algorithms.sfvi_wrapper import SFVI, SFVIParams, SFVIState
+from numpyro_fed.algorithms.sfvi_avg import (
+    SFVIAvgServerMessage,
+    SFVIAvgServerState,
+    SFVIAvgSiloMessage,
+    SFVIAvgSiloState,
+    sfvi_avg,
+)
+from numpyro_fed.algorithms.sfvi_wrapper import SFVI, SFVIAvg, SFVIParams, SFVIState
 
 __all__ = [
     "SFVI",
+    "SFVIAvg",
+    "SFVIAvgServerMessage",
+    "SFVIAvgServerState",
+    "SFVIAvgSiloMessage",
+    "SFVIAvgSiloState",
+    "sfvi_avg",
     "SFVIInfo",
     "SFVIParams",
     "SFVIServerMessage",

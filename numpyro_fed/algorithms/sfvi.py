@@ -236,21 +236,27 @@ def sfvi(
 
     server_grad = jax.value_and_grad(mean_over_particles(server_term), argnums=(0, 1))
 
-    def server_step(state: SFVIServerState, replies: SFVISiloMessage, keys):
+    def server_step(
+        state: SFVIServerState, replies: SFVISiloMessage, keys, participating=None
+    ):
         eps = jax.vmap(guide.global_noise)(keys)
         elbo0, (g_theta, g_eta_g) = server_grad(
             state.theta, state.eta_global, eps, keys, None
         )
         finite = jax.vmap(_all_finite)(replies)
+        used = finite if participating is None else finite & participating
+        # A uniformly random subset of k silos, scaled by J / k, sums to the full
+        # gradient in expectation (exactly 1 when every silo is used).
+        scale = used.shape[0] / jnp.maximum(jnp.sum(used), 1)
 
         def total(own, silos):
-            weights = finite.reshape((-1,) + (1,) * (silos.ndim - 1))
-            return own + jnp.sum(jnp.where(weights, silos, 0.0), axis=0)
+            weights = used.reshape((-1,) + (1,) * (silos.ndim - 1))
+            return own + scale * jnp.sum(jnp.where(weights, silos, 0.0), axis=0)
 
         grads = jax.tree.map(
             total, (g_theta, g_eta_g), (replies.grad_theta, replies.grad_eta_global)
         )
-        elbo = elbo0 + jnp.sum(jnp.where(finite, replies.elbo, 0.0))
+        elbo = elbo0 + scale * jnp.sum(jnp.where(used, replies.elbo, 0.0))
         params, optim_state = _ascent(
             optimizer, grads, state.optim_state, (state.theta, state.eta_global)
         )

@@ -18,12 +18,17 @@ from numpyro_fed.algorithms.sfvi import (
     noise_keys,
     sfvi,
 )
+from numpyro_fed.algorithms.sfvi_avg import (
+    SFVIAvgServerState,
+    SFVIAvgSiloState,
+    sfvi_avg,
+)
 from numpyro_fed.densities import data_template
 from numpyro_fed.families.structured import GLOBAL_PREFIX, LOCAL_PREFIX
 from numpyro_fed.protocol import silo_data_of
 from numpyro_fed.runtime import sequential_round, simulate_round
 
-__all__ = ["SFVI", "SFVIParams", "SFVIState"]
+__all__ = ["SFVI", "SFVIAvg", "SFVIParams", "SFVIState"]
 
 
 class SFVIState(NamedTuple):
@@ -73,6 +78,8 @@ class SFVI:
         centralized SVI. ``False``: each silo draws from a key of its own.
     :param str runtime: ``"simulate"`` (vmapped, jitted) or ``"sequential"`` (one silo
         at a time).
+    :param float participation: fraction of silos taking part in each round, drawn
+        uniformly at random (a runtime option; the server rescales what it gets).
 
     **Example:**
 
@@ -103,6 +110,7 @@ class SFVI:
         stl: bool = True,
         reproducible: bool = True,
         runtime: str = "simulate",
+        participation: float = 1.0,
     ) -> None:
         if not isinstance(optim, optax.GradientTransformation):
             raise TypeError(
@@ -113,6 +121,8 @@ class SFVI:
             raise ValueError(
                 f"num_particles must be a positive int, got {num_particles!r}."
             )
+        if not 0 < participation <= 1:
+            raise ValueError(f"participation must be in (0, 1], got {participation!r}.")
         if runtime not in ("simulate", "sequential"):
             raise ValueError(
                 f"runtime must be 'simulate' or 'sequential', got {runtime!r}."
@@ -124,6 +134,7 @@ class SFVI:
         self.stl = stl
         self.reproducible = reproducible
         self.runtime = runtime
+        self.participation = participation
         self._built: dict = {}
 
     # ------------------------------------------------------------ construction
@@ -137,15 +148,7 @@ class SFVI:
         layout = self._layout(data)
         if layout not in self._built:
             self.guide.setup(data)
-            algorithm = sfvi(
-                self.model,
-                self.guide,
-                self.optim,
-                data_template(data.silo(0)),
-                num_particles=self.num_particles,
-                stl=self.stl,
-                padded=min(data.sizes) < data.padded_size,
-            )
+            algorithm = self._make_algorithm(data)
             if self.runtime == "simulate":
                 round_fn = jax.jit(partial(simulate_round, algorithm))
             else:
@@ -154,8 +157,22 @@ class SFVI:
             self._built[layout] = (algorithm, round_fn)
         return self._built[layout]
 
+    def _make_algorithm(self, data: Any):
+        return sfvi(
+            self.model,
+            self.guide,
+            self.optim,
+            data_template(data.silo(0)),
+            num_particles=self.num_particles,
+            stl=self.stl,
+            padded=min(data.sizes) < data.padded_size,
+        )
+
     def _check(self, state: SFVIState, data: Any) -> None:
-        num_silos = jax.tree.leaves(state.silos)[0].shape[0]
+        leaves = jax.tree.leaves(state.silos)
+        if not leaves:  # stateless silos (no local latents, stateless optimizer)
+            return
+        num_silos = leaves[0].shape[0]
         if num_silos != data.num_silos:
             raise ValueError(
                 f"The state holds {num_silos} silos but the data hold {data.num_silos}: "
@@ -206,20 +223,50 @@ class SFVI:
             )(jnp.arange(num_silos))
         return rng_key, keys, silo_keys
 
-    def update(self, state: SFVIState, data: Any) -> tuple[SFVIState, jax.Array]:
-        """One round. :return: ``(state, loss)``, the loss at the pre-update state."""
+    def _participants(self, state: SFVIState, num_silos: int) -> jax.Array | None:
+        if self.participation == 1:
+            return None
+        count = max(1, round(self.participation * num_silos))
+        # fold_in, not split: participation must not shift the noise key chain.
+        order = jax.random.permutation(
+            jax.random.fold_in(state.rng_key, 7919), num_silos
+        )
+        return jnp.zeros((num_silos,), bool).at[order[:count]].set(True)
+
+    def update(
+        self, state: SFVIState, data: Any, participating: jax.Array | None = None
+    ) -> tuple[SFVIState, jax.Array]:
+        """
+        One round.
+
+        :param SFVIState state: current state.
+        :param FederatedData data: the silos' data.
+        :param jax.Array participating: optional ``(J,)`` booleans naming the silos
+            that take part (e.g. silos that dropped out are False); by default all,
+            or a random ``participation`` fraction.
+        :return: ``(state, loss)``, the loss at the pre-update state.
+        """
         self._check(state, data)
         _, round_fn = self._build(data)
+        if participating is None:
+            participating = self._participants(state, data.num_silos)
         rng_key, keys, silo_keys = self._round_keys(state, data.num_silos)
         server, silos, info = round_fn(
-            state.server, state.silos, silo_data_of(data), keys, silo_keys
+            state.server,
+            state.silos,
+            silo_data_of(data),
+            keys,
+            silo_keys,
+            participating,
         )
         return SFVIState(server, silos, rng_key), info.loss
 
-    def stable_update(self, state: SFVIState, data: Any) -> tuple[SFVIState, jax.Array]:
+    def stable_update(
+        self, state: SFVIState, data: Any, participating: jax.Array | None = None
+    ) -> tuple[SFVIState, jax.Array]:
         """Like :meth:`update`, but a round whose loss or parameters are not finite
         is not applied (the key still advances)."""
-        new_state, loss = self.update(state, data)
+        new_state, loss = self.update(state, data, participating)
         ok = jnp.isfinite(loss) & jnp.all(
             jnp.array(
                 [
@@ -354,3 +401,111 @@ class SFVI:
             else:
                 out[LOCAL_PREFIX + k] = data.gather_units(v)
         return out
+
+
+class SFVIAvg(SFVI):
+    """
+    SFVI-Avg(m) (Hassan et al., Algorithm 2) with NumPyro's SVI API: each round every
+    silo takes ``local_steps`` steps on its :math:`N/N_j`-scaled surrogate ELBO and
+    sends back only its copy of :math:`(\\theta, \\eta_G)`; the server averages
+    :math:`\\theta` and takes the 2-Wasserstein barycenter of the global Gaussians.
+
+    With one silo and the optimizer state carried over, ``R`` rounds of ``m`` steps
+    are ``R m`` steps of centralized VI (draw for draw with ``reproducible=True``).
+
+    :param int local_steps: :math:`m`, local steps per round.
+    :param bool scale_local_entropy: scale the local entropy by :math:`N/N_j` too
+        (spec §3.6; ``False`` is the paper's literal text).
+    :param bool weighted: weight the averages by :math:`N_j` (the paper: uniform).
+    :param bool reset_optimizer: restart the silos' optimizer of
+        :math:`(\\theta, \\eta_G)` every round (default: carry it over).
+
+    Other arguments as in :class:`SFVI`. ``run``'s ``num_steps`` counts rounds.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import jax, jax.numpy as jnp, optax
+        >>> import numpyro, numpyro.distributions as dist
+        >>> import numpyro_fed as nf
+        >>> def model(y):
+        ...     mu = numpyro.sample("mu", dist.Normal(0, 10))
+        ...     with numpyro.plate("data", y.shape[0]):
+        ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+        >>> fed = nf.federate(model, silos="data")
+        >>> data = nf.FederatedData.from_groups([0, 0, 1, 1], y=jnp.array([1.0, 2, 3, 4]))
+        >>> avg = nf.SFVIAvg(fed, nf.AutoStructured(fed), optax.adam(0.05), local_steps=50)
+        >>> result = avg.run(jax.random.key(0), 40, data, progress_bar=False)
+        >>> round(float(result.params.eta_global["loc"][0]), 1)
+        2.5
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        guide: Any,
+        optim: optax.GradientTransformation,
+        *,
+        local_steps: int,
+        scale_local_entropy: bool = True,
+        weighted: bool = False,
+        reset_optimizer: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if not isinstance(local_steps, int) or local_steps < 1:
+            raise ValueError(
+                f"local_steps must be a positive int, got {local_steps!r}."
+            )
+        super().__init__(model, guide, optim, **kwargs)
+        self.local_steps = local_steps
+        self.scale_local_entropy = scale_local_entropy
+        self.weighted = weighted
+        self.reset_optimizer = reset_optimizer
+
+    def _make_algorithm(self, data: Any):
+        return sfvi_avg(
+            self.model,
+            self.guide,
+            self.optim,
+            data_template(data.silo(0)),
+            data.num_units,
+            local_steps=self.local_steps,
+            scale_local_entropy=self.scale_local_entropy,
+            weighted=self.weighted,
+            reset_optimizer=self.reset_optimizer,
+            num_particles=self.num_particles,
+            stl=self.stl,
+            padded=min(data.sizes) < data.padded_size,
+        )
+
+    def _round_keys(self, state: SFVIState, num_silos: int):
+        # The m local steps continue the key chain exactly as m SFVI rounds would.
+        def chain(key, _):
+            key, step_key = jax.random.split(key)
+            return key, noise_keys(step_key, self.num_particles)
+
+        rng_key, keys = jax.lax.scan(
+            chain, state.rng_key, None, length=self.local_steps
+        )
+        if self.reproducible:
+            silo_keys = jnp.broadcast_to(keys, (num_silos,) + keys.shape)
+        else:
+            silo_keys = jax.vmap(
+                lambda j: jax.tree.map(lambda k: jax.random.fold_in(k, j), keys)
+            )(jnp.arange(num_silos))
+        return rng_key, keys, silo_keys
+
+    def _from_params(self, params: SFVIParams, data: Any):
+        glob_c, loc_c = self.guide.param_constraints()
+        theta_c = {k: c for k, (_, c) in self.guide.param_specs.items()}
+        theta = _unconstrain(theta_c, params.theta)
+        eta_g = _unconstrain(glob_c, params.eta_global)
+        eta_l = _unconstrain(loc_c, params.eta_local)
+        silo_ids = jnp.arange(data.num_silos)
+        silos = SFVIAvgSiloState(
+            eta_l,
+            jax.vmap(lambda eta, _: self.optim.init(eta))(eta_l, silo_ids),
+            jax.vmap(lambda _: self.optim.init((theta, eta_g)))(silo_ids),
+        )
+        return SFVIAvgServerState(theta, eta_g), silos

@@ -11,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from numpyro_fed.protocol import FederatedAlgorithm, SiloData
 
@@ -32,24 +33,35 @@ def sequential_round(
     silo_data: SiloData,
     server_key: jax.Array,
     silo_keys: jax.Array,
+    participating: Any = None,
 ) -> tuple[Any, Any, Any]:
     """
-    One round with the silos stepped one after another (a Python loop).
+    One round with the silos stepped one after another (a Python loop); silos that
+    do not participate are not contacted.
 
     Takes and returns the same stacked layout as
     :func:`~numpyro_fed.runtime.simulate_round`, so the two are interchangeable.
 
     :return: ``(server_state, silo_states, info)``.
     """
+    num_silos = silo_data.mask.shape[0]
+    if participating is None:
+        participating = np.ones(num_silos, bool)
+    participating = np.asarray(participating)
     message = algorithm.server_message(server_state, server_key)
     replies, new_states = [], []
-    for j in range(silo_data.mask.shape[0]):
-        reply, state = algorithm.silo_step(
-            message, _slice(silo_states, j), _slice(silo_data, j), silo_keys[j]
-        )
+    for j in range(num_silos):
+        state, data = _slice(silo_states, j), _slice(silo_data, j)
+        if participating[j]:
+            reply, state = algorithm.silo_step(message, state, data, silo_keys[j])
+        else:  # nothing was sent: a placeholder that the server ignores
+            shapes = jax.eval_shape(
+                algorithm.silo_step, message, state, data, silo_keys[j]
+            )[0]
+            reply = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         replies.append(reply)
         new_states.append(state)
     server_state, info = algorithm.server_step(
-        server_state, _stack(replies), server_key
+        server_state, _stack(replies), server_key, jnp.asarray(participating)
     )
     return server_state, _stack(new_states), info

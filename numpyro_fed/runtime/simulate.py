@@ -5,10 +5,11 @@
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from numpyro_fed.protocol import FederatedAlgorithm, SiloData
 
-__all__ = ["simulate_round"]
+__all__ = ["keep_participants", "simulate_round"]
 
 
 def simulate_round(
@@ -18,11 +19,14 @@ def simulate_round(
     silo_data: SiloData,
     server_key: jax.Array,
     silo_keys: jax.Array,
+    participating: jax.Array | None = None,
 ) -> tuple[Any, Any, Any]:
     """
     One round with every silo stepped at once under :func:`jax.vmap`.
 
-    Pure and jit-able: wrap it in :func:`jax.jit` (the algorithm wrappers do).
+    Pure and jit-able: wrap it in :func:`jax.jit` (the algorithm wrappers do). With
+    partial participation every silo is computed (that is what vmap does) but only
+    participants keep their new state and count at the server.
 
     :param FederatedAlgorithm algorithm: the algorithm.
     :param server_state: the server's state.
@@ -30,11 +34,28 @@ def simulate_round(
     :param SiloData silo_data: the silos' data, stacked along a leading silo axis.
     :param jax.Array server_key: the round's server key.
     :param jax.Array silo_keys: one key per silo (leading silo axis).
+    :param jax.Array participating: optional ``(J,)`` booleans: the silos taking part
+        in this round (default: all).
     :return: ``(server_state, silo_states, info)``.
     """
+    num_silos = silo_data.mask.shape[0]
+    if participating is None:
+        participating = jnp.ones((num_silos,), bool)
     message = algorithm.server_message(server_state, server_key)
-    replies, silo_states = jax.vmap(algorithm.silo_step, in_axes=(None, 0, 0, 0))(
+    replies, new_states = jax.vmap(algorithm.silo_step, in_axes=(None, 0, 0, 0))(
         message, silo_states, silo_data, silo_keys
     )
-    server_state, info = algorithm.server_step(server_state, replies, server_key)
+    silo_states = keep_participants(participating, new_states, silo_states)
+    server_state, info = algorithm.server_step(
+        server_state, replies, server_key, participating
+    )
     return server_state, silo_states, info
+
+
+def keep_participants(participating: jax.Array, new: Any, old: Any) -> Any:
+    """Stacked silo states: the new state for participants, the old one otherwise."""
+
+    def select(n, o):
+        return jnp.where(participating.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
+
+    return jax.tree.map(select, new, old)

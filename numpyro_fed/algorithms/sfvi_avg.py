@@ -1,0 +1,255 @@
+# Copyright Contributors to the numpyro-fed project.
+# SPDX-License-Identifier: Apache-2.0
+"""SFVI-Avg(m): federated averaging for structured VI (Hassan et al., Algorithm 2).
+
+Each round the server sends :math:`(\\theta, \\eta_G)`; every silo runs ``m`` local
+STL steps on its surrogate ELBO, in which its likelihood and local prior are scaled by
+:math:`N / N_j` so that the surrogate has the scale of the full joint,
+
+.. math::
+
+    \\log p_\\theta(z_G) + \\frac{N}{N_j} \\log p_\\theta(y_j, z_{L_j} \\mid z_G)
+    - \\log q_{\\eta_G}(z_G) - s \\log q_{\\eta_{L_j}}(z_{L_j} \\mid z_G),
+
+with :math:`s = N/N_j` (``scale_local_entropy=True``, the local factor then targets
+the untempered local conditional) or :math:`s = 1` (the paper's literal text, spec
+§3.6). It returns only its :math:`(\\theta_j, \\eta_{G,j})`. The server averages
+:math:`\\theta` and replaces :math:`q(z_G)` by the 2-Wasserstein barycenter of the
+silos' global Gaussians (closed form when diagonal). Averaging happens in
+distribution space, not parameter space.
+"""
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from numpyro_fed.aggregate import (
+    cov_to_scale_tril,
+    scale_tril_to_cov,
+    w2_barycenter,
+    w2_barycenter_diag,
+    weighted_mean,
+)
+from numpyro_fed.algorithms.sfvi import (
+    SFVIInfo,
+    _all_finite,
+    _ascent,
+    _constrain,
+    _unconstrain,
+)
+from numpyro_fed.densities import server_log_density, silo_log_density
+from numpyro_fed.families.structured import _unit_tril
+from numpyro_fed.protocol import FederatedAlgorithm, SiloData
+
+__all__ = [
+    "SFVIAvgServerMessage",
+    "SFVIAvgServerState",
+    "SFVIAvgSiloMessage",
+    "SFVIAvgSiloState",
+    "sfvi_avg",
+]
+
+
+class SFVIAvgServerState(NamedTuple):
+    """- **theta** - unconstrained :math:`\\theta`.
+    - **eta_global** - unconstrained :math:`\\eta_G`.
+    """
+
+    theta: dict
+    eta_global: dict
+
+
+class SFVIAvgSiloState(NamedTuple):
+    """- **eta_local** - unconstrained local parameters (never leave the silo).
+    - **optim_state** - optimizer state of the local parameters.
+    - **global_optim_state** - optimizer state of the silo's copy of
+      :math:`(\\theta, \\eta_G)`, carried across rounds or reset each round.
+    """
+
+    eta_local: dict
+    optim_state: Any
+    global_optim_state: Any
+
+
+class SFVIAvgServerMessage(NamedTuple):
+    """Server -> silos: unconstrained ``theta`` and ``eta_global``."""
+
+    theta: dict
+    eta_global: dict
+
+
+class SFVIAvgSiloMessage(NamedTuple):
+    """Silo -> server.
+
+    - **theta**, **eta_global** - the silo's locally updated copies (unconstrained).
+    - **elbo** - its surrogate ELBO at the last local step (for the loss trace).
+    - **num_units** - :math:`N_j`, which the algorithm needs anyway to form :math:`N`.
+    """
+
+    theta: dict
+    eta_global: dict
+    elbo: jax.Array
+    num_units: jax.Array
+
+
+def sfvi_avg(
+    model: Callable,
+    guide: Any,
+    optimizer: optax.GradientTransformation,
+    template: dict,
+    num_units: int,
+    *,
+    local_steps: int,
+    scale_local_entropy: bool = True,
+    weighted: bool = False,
+    reset_optimizer: bool = False,
+    num_particles: int = 1,
+    stl: bool = True,
+    padded: bool = True,
+) -> FederatedAlgorithm:
+    """
+    Build SFVI-Avg's pure functions (Hassan et al., Algorithm 2).
+
+    :param callable model: the federated model.
+    :param guide: an :class:`~numpyro_fed.AutoStructured` guide, already set up.
+    :param optimizer: optax transformation used by every silo's local steps.
+    :param dict template: data-free arrays shaped like one unit of silo data.
+    :param int num_units: :math:`N`, units in the pooled data (each silo scales its
+        terms by :math:`N/N_j`).
+    :param int local_steps: :math:`m`, local steps per round.
+    :param bool scale_local_entropy: scale :math:`\\log q(z_{L_j} \\mid z_G)` by
+        :math:`N/N_j` too.
+    :param bool weighted: average with weights :math:`N_j/N` (the paper: uniform).
+    :param bool reset_optimizer: restart the optimizer of the silo's copy of
+        :math:`(\\theta, \\eta_G)` every round (default: carry it over).
+    :param int num_particles: Monte Carlo draws per local step.
+    :param bool stl: sticking-the-landing gradients.
+    :param bool padded: some silos carry padded units.
+    :rtype: FederatedAlgorithm
+    """
+    plate = guide.roles.silo_plate
+    theta_c = {k: c for k, (_, c) in guide.param_specs.items()}
+    global_c, local_c = guide.param_constraints()
+    stop = jax.lax.stop_gradient if stl else (lambda x: x)
+
+    def init_server(key: jax.Array) -> SFVIAvgServerState:
+        theta = _unconstrain(
+            theta_c, {k: jnp.asarray(v) for k, (v, _) in guide.param_specs.items()}
+        )
+        return SFVIAvgServerState(
+            theta, _unconstrain(global_c, guide.init_global(key, template))
+        )
+
+    def init_silo(key: jax.Array, data: SiloData) -> SFVIAvgSiloState:
+        eta_local = _unconstrain(local_c, guide.init_local(key, data.arrays))
+        server = init_server(key)  # only shapes matter for the optimizer state
+        return SFVIAvgSiloState(
+            eta_local,
+            optimizer.init(eta_local),
+            optimizer.init((server.theta, server.eta_global)),
+        )
+
+    def server_message(state: SFVIAvgServerState, key) -> SFVIAvgServerMessage:
+        del key
+        return SFVIAvgServerMessage(state.theta, state.eta_global)
+
+    def surrogate(theta_u, eta_g_u, eta_l_u, key, data: SiloData):
+        theta = _constrain(theta_c, theta_u)
+        eta_g = _constrain(global_c, eta_g_u)
+        eta_l = _constrain(local_c, eta_l_u)
+        size = jnp.sum(data.mask)
+        scale = num_units / size
+        values, log_q = {}, jnp.zeros(())
+        z_g = jnp.zeros((0,))
+        if eta_g:
+            z_g = guide.sample_global(eta_g, guide.global_noise(key))
+            values, log_det = guide.constrain_global(z_g)
+            log_q = guide.log_q_global(stop(eta_g), z_g) - log_det
+        log_p = server_log_density(model, plate, template, {**values, **theta})
+        log_q_local = jnp.zeros(())
+        if eta_l:
+            z_l = guide.sample_local(
+                eta_g, eta_l, z_g, guide.local_noise(key, data.unit_ids)
+            )
+            local_values, log_det = guide.constrain_local(z_l)
+            values = {**values, **local_values}
+            units = guide.log_q_local(stop(eta_g), stop(eta_l), z_g, z_l) - log_det
+            log_q_local = jnp.sum(jnp.where(data.mask, units, 0.0) if padded else units)
+        mask = data.mask if padded else None
+        log_p_silo = silo_log_density(
+            model, plate, data.arrays, mask, {**values, **theta}
+        )
+        entropy_scale = scale if scale_local_entropy else 1.0
+        return log_p + scale * log_p_silo - log_q - entropy_scale * log_q_local
+
+    def particles_mean(theta_u, eta_g_u, eta_l_u, keys, data):
+        per = jax.vmap(lambda k: surrogate(theta_u, eta_g_u, eta_l_u, k, data))(keys)
+        return jnp.mean(per)
+
+    grad = jax.value_and_grad(particles_mean, argnums=(0, 1, 2))
+
+    def silo_step(message, state: SFVIAvgSiloState, data: SiloData, step_keys):
+        global_opt = state.global_optim_state
+        if reset_optimizer:
+            global_opt = optimizer.init((message.theta, message.eta_global))
+
+        def local_step(carry, keys):
+            (theta, eta_g), eta_l, opt_g, opt_l = carry
+            elbo, (g_theta, g_eta_g, g_eta_l) = grad(theta, eta_g, eta_l, keys, data)
+            globals_, opt_g = _ascent(
+                optimizer, (g_theta, g_eta_g), opt_g, (theta, eta_g)
+            )
+            eta_l, opt_l = _ascent(optimizer, g_eta_l, opt_l, eta_l)
+            return (globals_, eta_l, opt_g, opt_l), elbo
+
+        carry = (
+            (message.theta, message.eta_global),
+            state.eta_local,
+            global_opt,
+            state.optim_state,
+        )
+        carry, elbos = jax.lax.scan(local_step, carry, step_keys)
+        (theta, eta_g), eta_l, opt_g, opt_l = carry
+        new_state = SFVIAvgSiloState(eta_l, opt_l, opt_g)
+        ok = _all_finite((eta_l, theta, eta_g))
+        new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, state)
+        reply = SFVIAvgSiloMessage(theta, eta_g, elbos[-1], jnp.sum(data.mask))
+        return reply, new_state
+
+    def _barycenter(eta_g_u, weights):
+        eta = jax.vmap(lambda e: _constrain(global_c, e))(eta_g_u)
+        if "tril" not in eta:
+            (loc, scale), _ = w2_barycenter_diag(eta["loc"], eta["scale"], weights)
+            return _unconstrain(global_c, {"loc": loc, "scale": scale})
+        covs = jax.vmap(lambda s, t: scale_tril_to_cov(s, _unit_tril(t)))(
+            eta["scale"], eta["tril"]
+        )
+        (loc, cov), _ = w2_barycenter(eta["loc"], covs, weights)
+        scale, tril = cov_to_scale_tril(cov)
+        return _unconstrain(global_c, {"loc": loc, "scale": scale, "tril": tril})
+
+    def server_step(
+        state: SFVIAvgServerState, replies: SFVIAvgSiloMessage, key, participating=None
+    ):
+        del key
+        finite = jax.vmap(_all_finite)(replies)
+        used = finite if participating is None else finite & participating
+        sizes = replies.num_units.astype(replies.elbo.dtype)
+        weights = jnp.where(used, sizes if weighted else 1.0, 0.0)
+        theta = weighted_mean(replies.theta, weights) if state.theta else state.theta
+        eta_g = _barycenter(replies.eta_global, weights) if state.eta_global else {}
+        # No usable message this round: keep the server's state.
+        kept = jax.tree.map(
+            lambda new, old: jnp.where(jnp.any(used), new, old),
+            SFVIAvgServerState(theta, eta_g),
+            state,
+        )
+        clean = jnp.where(used, replies.elbo, 0.0)
+        loss = -jnp.sum(clean) / jnp.maximum(jnp.sum(used), 1)
+        return kept, SFVIInfo(loss, jnp.sum(~finite))
+
+    return FederatedAlgorithm(
+        init_server, init_silo, server_message, silo_step, server_step
+    )
