@@ -73,11 +73,11 @@ def fit_independent(
         ...     with numpyro.plate("data", y.shape[0]):
         ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
         >>> fed = nf.federate(model, silos="data")
-        >>> data = nf.FederatedData.from_groups([0, 0, 1, 1], y=jnp.array([0.0, 0, 4, 4]))
+        >>> data = nf.FederatedData.from_groups([0, 0, 1, 1], y=jnp.array([1.0, 1, 4, 4]))
         >>> fits = nf.fit_independent(fed, nf.AutoStructured, optax.adam(0.05), data,
         ...                           jax.random.key(0), 1500)
         >>> [round(float(f.params.eta_global["loc"][0]), 1) for f in fits]
-        [0.0, 4.0]
+        [1.0, 4.0]
     """
     results = []
     for j, key in enumerate(jax.random.split(rng_key, data.num_silos)):
