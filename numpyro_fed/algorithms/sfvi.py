@@ -104,6 +104,14 @@ def _all_finite(tree: Any) -> jax.Array:
     return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves] or [True]))
 
 
+def _initial_globals(guide: Any, key: jax.Array, template: dict) -> tuple[dict, dict]:
+    """Unconstrained initial theta (the model's own param inits) and eta_G."""
+    inits = {k: jnp.asarray(v) for k, (v, _) in guide.param_specs.items()}
+    theta = _unconstrain(guide.theta_constraints(), inits)
+    eta_global = guide.init_global(key, template)
+    return theta, _unconstrain(guide.param_constraints()[0], eta_global)
+
+
 def _ascent(optimizer, grads, optim_state, params):
     # optax minimizes: feed it the negative ELBO gradient.
     updates, optim_state = optimizer.update(
@@ -142,16 +150,12 @@ def sfvi(
     :rtype: FederatedAlgorithm
     """
     plate = guide.roles.silo_plate
-    theta_constraints = {k: c for k, (_, c) in guide.param_specs.items()}
+    theta_constraints = guide.theta_constraints()
     global_constraints, local_constraints = guide.param_constraints()
     stop = jax.lax.stop_gradient if stl else (lambda x: x)
 
     def init_server(key: jax.Array) -> SFVIServerState:
-        theta = _unconstrain(
-            theta_constraints,
-            {k: jnp.asarray(v) for k, (v, _) in guide.param_specs.items()},
-        )
-        eta_global = _unconstrain(global_constraints, guide.init_global(key, template))
+        theta, eta_global = _initial_globals(guide, key, template)
         return SFVIServerState(theta, eta_global, optimizer.init((theta, eta_global)))
 
     def init_silo(key: jax.Array, data: SiloData) -> SFVISiloState:

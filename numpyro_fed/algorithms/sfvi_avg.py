@@ -37,6 +37,7 @@ from numpyro_fed.algorithms.sfvi import (
     _all_finite,
     _ascent,
     _constrain,
+    _initial_globals,
     _unconstrain,
 )
 from numpyro_fed.densities import server_log_density, silo_log_density
@@ -130,17 +131,12 @@ def sfvi_avg(
     :rtype: FederatedAlgorithm
     """
     plate = guide.roles.silo_plate
-    theta_c = {k: c for k, (_, c) in guide.param_specs.items()}
+    theta_c = guide.theta_constraints()
     global_c, local_c = guide.param_constraints()
     stop = jax.lax.stop_gradient if stl else (lambda x: x)
 
     def init_server(key: jax.Array) -> SFVIAvgServerState:
-        theta = _unconstrain(
-            theta_c, {k: jnp.asarray(v) for k, (v, _) in guide.param_specs.items()}
-        )
-        return SFVIAvgServerState(
-            theta, _unconstrain(global_c, guide.init_global(key, template))
-        )
+        return SFVIAvgServerState(*_initial_globals(guide, key, template))
 
     def init_silo(key: jax.Array, data: SiloData) -> SFVIAvgSiloState:
         eta_local = _unconstrain(local_c, guide.init_local(key, data.arrays))

@@ -200,7 +200,7 @@ class SFVI:
 
     def _from_params(self, params: SFVIParams, data: Any):
         glob_c, loc_c = self.guide.param_constraints()
-        theta_c = {k: c for k, (_, c) in self.guide.param_specs.items()}
+        theta_c = self.guide.theta_constraints()
         theta = _unconstrain(theta_c, params.theta)
         eta_g = _unconstrain(glob_c, params.eta_global)
         # Local constraints act elementwise, so they apply to the stacked arrays.
@@ -286,7 +286,7 @@ class SFVI:
     def get_params(self, state: SFVIState) -> SFVIParams:
         """The constrained parameters of ``state``."""
         glob_c, loc_c = self.guide.param_constraints()
-        theta_c = {k: c for k, (_, c) in self.guide.param_specs.items()}
+        theta_c = self.guide.theta_constraints()
         return SFVIParams(
             _constrain(theta_c, state.server.theta),
             _constrain(glob_c, state.server.eta_global),
@@ -498,7 +498,7 @@ class SFVIAvg(SFVI):
 
     def _from_params(self, params: SFVIParams, data: Any):
         glob_c, loc_c = self.guide.param_constraints()
-        theta_c = {k: c for k, (_, c) in self.guide.param_specs.items()}
+        theta_c = self.guide.theta_constraints()
         theta = _unconstrain(theta_c, params.theta)
         eta_g = _unconstrain(glob_c, params.eta_global)
         eta_l = _unconstrain(loc_c, params.eta_local)

@@ -178,6 +178,10 @@ class AutoStructured:
             )
 
     # --------------------------------------------------------------- parameters
+    def theta_constraints(self) -> dict:
+        """Constraints of the model's ``numpyro.param`` sites (theta)."""
+        return {name: c for name, (_, c) in self.param_specs.items()}
+
     def param_constraints(self) -> tuple[dict, dict]:
         """Constraints of the global and local parameter dicts."""
         glob = {"loc": constraints.real, "scale": constraints.softplus_positive}
