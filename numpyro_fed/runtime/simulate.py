@@ -38,14 +38,14 @@ def simulate_round(
         in this round (default: all).
     :return: ``(server_state, silo_states, info)``.
     """
-    num_silos = silo_data.mask.shape[0]
-    if participating is None:
-        participating = jnp.ones((num_silos,), bool)
     message = algorithm.server_message(server_state, server_key)
     replies, new_states = jax.vmap(algorithm.silo_step, in_axes=(None, 0, 0, 0))(
         message, silo_states, silo_data, silo_keys
     )
-    silo_states = keep_participants(participating, new_states, silo_states)
+    # With everyone taking part, no selection is added to the round.
+    if participating is not None:
+        new_states = keep_participants(participating, new_states, silo_states)
+    silo_states = new_states
     server_state, info = algorithm.server_step(
         server_state, replies, server_key, participating
     )
