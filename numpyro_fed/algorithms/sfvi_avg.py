@@ -140,11 +140,14 @@ def sfvi_avg(
 
     def init_silo(key: jax.Array, data: SiloData) -> SFVIAvgSiloState:
         eta_local = _unconstrain(local_c, guide.init_local(key, data.arrays))
-        server = init_server(key)  # only shapes matter for the optimizer state
+        # The silo's optimizer of (theta, eta_G) needs only their shapes: trace the
+        # server's initialization abstractly instead of running it on every silo.
+        shapes = jax.eval_shape(init_server, key)
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         return SFVIAvgSiloState(
             eta_local,
             optimizer.init(eta_local),
-            optimizer.init((server.theta, server.eta_global)),
+            optimizer.init((zeros.theta, zeros.eta_global)),
         )
 
     def server_message(state: SFVIAvgServerState, key) -> SFVIAvgServerMessage:

@@ -198,13 +198,18 @@ class SFVI:
             server, silos = self._from_params(init_params, data)
         return SFVIState(server, silos, rng_key)
 
-    def _from_params(self, params: SFVIParams, data: Any):
+    def _unconstrained(self, params: SFVIParams) -> tuple[dict, dict, dict]:
+        """``(theta, eta_global, eta_local)`` of ``params`` in unconstrained space
+        (local constraints act elementwise, so they apply to the stacked arrays)."""
         glob_c, loc_c = self.guide.param_constraints()
-        theta_c = self.guide.theta_constraints()
-        theta = _unconstrain(theta_c, params.theta)
-        eta_g = _unconstrain(glob_c, params.eta_global)
-        # Local constraints act elementwise, so they apply to the stacked arrays.
-        eta_l = _unconstrain(loc_c, params.eta_local)
+        return (
+            _unconstrain(self.guide.theta_constraints(), params.theta),
+            _unconstrain(glob_c, params.eta_global),
+            _unconstrain(loc_c, params.eta_local),
+        )
+
+    def _from_params(self, params: SFVIParams, data: Any):
+        theta, eta_g, eta_l = self._unconstrained(params)
         server = SFVIServerState(theta, eta_g, self.optim.init((theta, eta_g)))
         silo_optim = jax.vmap(lambda eta, _: self.optim.init(eta))(
             eta_l, jnp.arange(data.num_silos)
@@ -497,11 +502,7 @@ class SFVIAvg(SFVI):
         return rng_key, keys, silo_keys
 
     def _from_params(self, params: SFVIParams, data: Any):
-        glob_c, loc_c = self.guide.param_constraints()
-        theta_c = self.guide.theta_constraints()
-        theta = _unconstrain(theta_c, params.theta)
-        eta_g = _unconstrain(glob_c, params.eta_global)
-        eta_l = _unconstrain(loc_c, params.eta_local)
+        theta, eta_g, eta_l = self._unconstrained(params)
         silo_ids = jnp.arange(data.num_silos)
         silos = SFVIAvgSiloState(
             eta_l,
