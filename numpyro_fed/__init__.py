@@ -8,11 +8,15 @@ the data with :class:`FederatedData`, and run a federated algorithm such as
 """
 
 from numpyro_fed.algorithms import (
+    DSGLD,
+    FSGLD,
     SFVI,
     RunResult,
     SFVIAvg,
     SFVIParams,
     SFVIState,
+    SGLDState,
+    annealed_step_size,
     sfvi,
     sfvi_avg,
 )
@@ -29,26 +33,33 @@ from numpyro_fed.families import AutoMeanField, AutoStructured
 from numpyro_fed.handlers import federate, silo_plate
 from numpyro_fed.partition import ModelRoles, analyze
 from numpyro_fed.protocol import FederatedAlgorithm, SiloData
+from numpyro_fed.surrogates import GaussianSurrogates, fit_surrogates
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "AutoMeanField",
     "AutoStructured",
+    "DSGLD",
+    "FSGLD",
     "FederatedAlgorithm",
     "FederatedData",
+    "GaussianSurrogates",
     "ModelRoles",
     "RunResult",
     "SFVI",
     "SFVIAvg",
     "SFVIParams",
     "SFVIState",
+    "SGLDState",
     "SiloData",
     "analyze",
+    "annealed_step_size",
     "compare",
     "federate",
     "fit_centralized",
     "fit_independent",
+    "fit_surrogates",
     "format_compare",
     "server_log_density",
     "sfvi",

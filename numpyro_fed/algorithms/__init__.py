@@ -19,8 +19,22 @@ from numpyro_fed.algorithms.sfvi_avg import (
     sfvi_avg,
 )
 from numpyro_fed.algorithms.sfvi_wrapper import SFVI, SFVIAvg, SFVIParams, SFVIState
+from numpyro_fed.algorithms.sgld import (
+    DSGLD,
+    FSGLD,
+    CommStats,
+    SGLDState,
+    annealed_step_size,
+    fsgld,
+)
 
 __all__ = [
+    "CommStats",
+    "DSGLD",
+    "FSGLD",
+    "SGLDState",
+    "annealed_step_size",
+    "fsgld",
     "SFVI",
     "SFVIAvg",
     "SFVIAvgServerMessage",
