@@ -16,6 +16,9 @@ from numpyro_fed.algorithms import (
     SFVIParams,
     SFVIState,
     SGLDState,
+    VerticalParams,
+    VerticalSFVI,
+    VerticalSFVIState,
     annealed_step_size,
     sfvi,
     sfvi_avg,
@@ -33,6 +36,15 @@ from numpyro_fed.families import AutoMeanField, AutoStructured
 from numpyro_fed.handlers import federate, silo_plate
 from numpyro_fed.partition import ModelRoles, analyze
 from numpyro_fed.protocol import FederatedAlgorithm, SiloData
+from numpyro_fed.vertical import (
+    AugmentedModel,
+    VerticalData,
+    VerticalFamily,
+    VerticalModelError,
+    augment,
+    contribution,
+    vertical,
+)
 from numpyro_fed.surrogates import GaussianSurrogates, fit_surrogates
 
 __version__ = "0.1.0.dev0"
@@ -70,4 +82,14 @@ __all__ = [
     "split_iid",
     "split_label_skew",
     "to_arviz",
+    "AugmentedModel",
+    "VerticalData",
+    "VerticalFamily",
+    "VerticalModelError",
+    "VerticalParams",
+    "VerticalSFVI",
+    "VerticalSFVIState",
+    "augment",
+    "contribution",
+    "vertical",
 ]

@@ -19,6 +19,12 @@ from numpyro_fed.algorithms.sfvi_avg import (
     sfvi_avg,
 )
 from numpyro_fed.algorithms.sfvi_wrapper import SFVI, SFVIAvg, SFVIParams, SFVIState
+from numpyro_fed.algorithms.vertical import (
+    VerticalParams,
+    VerticalSFVI,
+    VerticalSFVIState,
+    vertical_sfvi,
+)
 from numpyro_fed.algorithms.sgld import (
     DSGLD,
     FSGLD,
@@ -51,4 +57,8 @@ __all__ = [
     "SFVIState",
     "RunResult",
     "sfvi",
+    "VerticalParams",
+    "VerticalSFVI",
+    "VerticalSFVIState",
+    "vertical_sfvi",
 ]
