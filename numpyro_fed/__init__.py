@@ -32,7 +32,7 @@ from numpyro_fed.data import (
 )
 from numpyro_fed.densities import server_log_density, silo_log_density
 from numpyro_fed.diagnostics import compare, format_compare, to_arviz
-from numpyro_fed.families import AutoMeanField, AutoStructured
+from numpyro_fed.families import AutoAmortized, AutoMeanField, AutoStructured
 from numpyro_fed.handlers import federate, silo_plate
 from numpyro_fed.partition import ModelRoles, analyze
 from numpyro_fed.protocol import FederatedAlgorithm, SiloData
@@ -50,6 +50,7 @@ from numpyro_fed.surrogates import GaussianSurrogates, fit_surrogates
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "AutoAmortized",
     "AutoMeanField",
     "AutoStructured",
     "DSGLD",

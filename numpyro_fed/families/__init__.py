@@ -2,6 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Variational families with an explicit global / local parameter split."""
 
+from numpyro_fed.families.amortized import AutoAmortized
 from numpyro_fed.families.structured import AutoMeanField, AutoStructured
 
-__all__ = ["AutoMeanField", "AutoStructured"]
+__all__ = ["AutoAmortized", "AutoMeanField", "AutoStructured"]
