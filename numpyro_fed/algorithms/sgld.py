@@ -58,6 +58,7 @@ from numpyro_fed.surrogates import (
 __all__ = [
     "DSGLD",
     "FSGLD",
+    "ChainSurrogates",
     "CommStats",
     "FSGLDServerMessage",
     "FSGLDServerState",
@@ -68,6 +69,8 @@ __all__ = [
     "SGLDState",
     "annealed_step_size",
     "conducive_gradient",
+    "estimator",
+    "local_step",
     "fsgld",
     "init",
     "step",
@@ -99,7 +102,8 @@ class SGLDConfig(NamedTuple):
     - **tau** - local steps per visit.
     - **silo_probs** - :math:`f`, ``(J,)``.
     - **alpha** - weight of the conducive gradient (0: DSGLD).
-    - **surrogates** - per-silo :class:`~numpyro_fed.GaussianSurrogates`, or ``None``.
+    - **surrogates** - :class:`ChainSurrogates` (per-silo natural parameters and
+      their product), or ``None`` (DSGLD).
     - **batch_size** - minibatch size ``m`` per silo, or ``None`` for the whole silo.
     - **replace** - minibatches drawn with replacement.
     """
@@ -108,9 +112,28 @@ class SGLDConfig(NamedTuple):
     tau: int
     silo_probs: jax.Array
     alpha: float
-    surrogates: GaussianSurrogates | None
+    surrogates: "ChainSurrogates | None"
     batch_size: int | None
     replace: bool
+
+
+class ChainSurrogates(NamedTuple):
+    r"""What the chain needs of the surrogates.
+
+    - **precision** - per-silo :math:`\Lambda_s`, ``(J, D, D)`` or ``(J, D)``.
+    - **shift** - per-silo :math:`h_s`, ``(J, D)``.
+    - **product** - ``(Lambda, h)`` of :math:`q = \prod_s q_s`, summed once.
+    """
+
+    precision: jax.Array
+    shift: jax.Array
+    product: tuple
+
+    @classmethod
+    def of(cls, s: GaussianSurrogates) -> "ChainSurrogates":
+        """From :class:`~numpyro_fed.GaussianSurrogates`."""
+        s = GaussianSurrogates(jnp.asarray(s.precision), jnp.asarray(s.shift))
+        return cls(s.precision, s.shift, tuple(surrogate_product(s)))
 
 
 def annealed_step_size(a: float, b: float = 1.0, gamma: float = 0.55) -> Callable:
@@ -164,6 +187,51 @@ def _choose_silo(cfg: SGLDConfig, chain_key: jax.Array, t: jax.Array) -> jax.Arr
     return jax.random.categorical(key, jnp.log(cfg.silo_probs)).astype(jnp.int32)
 
 
+def estimator(
+    pot: FederatedPotential,
+    cfg: SGLDConfig,
+    z_global: dict,
+    z_local: dict,
+    silo: jax.Array,
+    arrays: dict,
+    mask: jax.Array,
+    idx: jax.Array | None = None,
+) -> tuple[jax.Array, dict]:
+    r"""
+    The drift of a step on silo ``silo``: :math:`\psi_s` of Eq. 7 (prior included) on
+    the flattened global position, and the exact gradient of the silo's local sites.
+
+    :param jax.Array idx: minibatch slots (see
+        :func:`~numpyro_fed.potentials.batch_indices`), or ``None`` for the whole silo.
+    :return: ``(psi, local_grads)``.
+    """
+    f_s = cfg.silo_probs[silo]
+    if idx is None:
+        g_lik, g_local = jax.grad(pot.silo_log_likelihood, argnums=(0, 1))(
+            z_global, z_local, arrays, mask
+        )
+    else:
+        g_lik = jax.grad(pot.minibatch_log_likelihood)(
+            z_global, z_local, arrays, idx, jnp.sum(mask)
+        )
+        g_local = {}
+        if z_local:  # the locals' exact gradient needs the whole silo
+            g_local = jax.grad(pot.silo_log_likelihood, argnums=1)(
+                z_global, z_local, arrays, mask
+            )
+    theta = pot.flatten(z_global)
+    psi = pot.flatten(jax.grad(pot.log_prior)(z_global)) + pot.flatten(g_lik) / f_s
+    if cfg.surrogates is not None:
+        # The product's natural parameters are summed once: O(D^2) per step, any J.
+        q = GaussianSurrogates(*cfg.surrogates.product)
+        own = GaussianSurrogates(
+            cfg.surrogates.precision[silo], cfg.surrogates.shift[silo]
+        )
+        g_s = surrogate_grad(q, theta) - surrogate_grad(own, theta) / f_s
+        psi = psi + cfg.alpha * g_s
+    return psi, g_local
+
+
 def local_step(
     pot: FederatedPotential,
     cfg: SGLDConfig,
@@ -175,50 +243,30 @@ def local_step(
     t: jax.Array,
     chain_key: jax.Array,
 ) -> tuple[dict, dict]:
-    """One Langevin step on silo ``silo``, using only that silo's data and locals.
+    """One Langevin step on silo ``silo``, using only that silo's data and locals;
+    the draws come from ``fold_in(chain_key, t)``.
 
     :return: the new ``(z_global, z_local)``; ``z_local`` is the silo's ``(P, ...)``.
     """
     _, k_batch, k_noise = _keys(chain_key, t)
-    f_s = cfg.silo_probs[silo]
     h = cfg.step_size(t)
-    num_real = jnp.sum(mask)
-    if cfg.batch_size is None:
-        g_lik, g_local = jax.grad(pot.silo_log_likelihood, argnums=(0, 1))(
-            z_global, z_local, arrays, mask
-        )
-    else:
+    idx = None
+    if cfg.batch_size is not None:
         idx = batch_indices(
-            k_batch, num_real, mask.shape[0], cfg.batch_size, cfg.replace
+            k_batch, jnp.sum(mask), mask.shape[0], cfg.batch_size, cfg.replace
         )
-        g_lik = jax.grad(pot.minibatch_log_likelihood)(
-            z_global, z_local, arrays, idx, num_real
-        )
-        g_local = {}
-        if z_local:  # the locals' exact gradient needs the whole silo
-            g_local = jax.grad(pot.silo_log_likelihood, argnums=1)(
-                z_global, z_local, arrays, mask
-            )
+    psi, g_local = estimator(pot, cfg, z_global, z_local, silo, arrays, mask, idx)
     theta = pot.flatten(z_global)
-    drift = pot.flatten(jax.grad(pot.log_prior)(z_global)) + pot.flatten(g_lik) / f_s
-    if cfg.surrogates is not None:
-        q = surrogate_product(cfg.surrogates)
-        own = GaussianSurrogates(
-            cfg.surrogates.precision[silo], cfg.surrogates.shift[silo]
-        )
-        g_s = surrogate_grad(q, theta) - surrogate_grad(own, theta) / f_s
-        drift = drift + cfg.alpha * g_s
     k_global, k_local = jax.random.split(k_noise)
     noise = jax.random.normal(k_global, theta.shape, theta.dtype)
-    theta = theta + 0.5 * h * drift + jnp.sqrt(h) * noise
+    theta = theta + 0.5 * h * psi + jnp.sqrt(h) * noise
     new_local = {}
     local_keys = jax.random.split(k_local, max(len(z_local), 1))
     for k, name in zip(local_keys, sorted(z_local), strict=False):
         v = z_local[name]
         real = mask.reshape(mask.shape + (1,) * (v.ndim - 1))
-        move = 0.5 * h * g_local[name] + jnp.sqrt(h) * jax.random.normal(
-            k, v.shape, v.dtype
-        )
+        noise = jax.random.normal(k, v.shape, v.dtype)
+        move = 0.5 * h * g_local[name] + jnp.sqrt(h) * noise
         new_local[name] = v + jnp.where(real, move, 0.0)  # padded units stay put
     return pot.unflatten(theta), new_local
 
@@ -492,8 +540,9 @@ class FSGLD(MCMCKernel):
         >>> kernel = nf.FSGLD(model, 5e-3, q, tau=10)
         >>> mcmc = MCMC(kernel, num_warmup=200, num_samples=2000, progress_bar=False)
         >>> mcmc.run(jax.random.key(0), data)
-        >>> round(float(mcmc.get_samples()["mu"].mean()), 1)  # posterior mean 1.95
-        2.0
+        >>> mean = float(mcmc.get_samples()["mu"].mean())  # posterior: 1.95 +- 0.16
+        >>> abs(mean - 1.95) < 0.08
+        True
     """
 
     sample_field = "z"
@@ -576,7 +625,9 @@ class FSGLD(MCMCKernel):
                 self._tau,
                 jnp.asarray(f),
                 self._alpha,
-                self._surrogates,
+                None
+                if self._surrogates is None
+                else ChainSurrogates.of(self._surrogates),
                 self._batch_size,
                 self._replace,
             )
@@ -716,7 +767,7 @@ class FSGLD(MCMCKernel):
         samples = jax.tree.map(lambda *xs: jnp.concatenate(xs), *trajectories)
         surrogate_bytes = 0
         if cfg.surrogates is not None:
-            one = jax.tree.map(lambda x: x[0], cfg.surrogates)
+            one = (cfg.surrogates.precision[0], cfg.surrogates.shift[0])
             surrogate_bytes = 2 * data.num_silos * _nbytes(one)  # up once, product down
         stats = CommStats(
             rounds=num_rounds,

@@ -1,0 +1,183 @@
+# Copyright Contributors to the numpyro-fed project.
+# SPDX-License-Identifier: Apache-2.0
+"""Gaussian surrogates of the silo likelihoods (seed 001 spec T13): Laplace is exact on
+conjugate Gaussian silos (with and without local latents), local SGLD moment matching
+and VI recover them within Monte Carlo / optimization error; the natural-parameter
+algebra and the validity checks."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import numpyro
+import numpyro.distributions as dist
+import pytest
+
+import numpyro_fed as nf
+from numpyro_fed.surrogates import (
+    GaussianSurrogates,
+    check_surrogates,
+    gaussian_surrogates,
+    surrogate_grad,
+    surrogate_moments,
+    surrogate_product,
+)
+from tests import _models as m
+
+
+def blob_model(x):
+    theta = numpyro.sample("theta", dist.Normal(0, 5**0.5).expand([2]).to_event(1))
+    with nf.silo_plate("data", x.shape[0]):
+        numpyro.sample("x", dist.Normal(theta, 1).to_event(1), obs=x)
+
+
+@pytest.fixture(scope="module")
+def blobs():
+    rng = np.random.default_rng(0)
+    xs = [
+        c + 0.5 * rng.normal(size=(n, 2))
+        for c, n in zip([-2, 0, 3], [50, 30, 40], strict=True)
+    ]
+    return xs, nf.FederatedData.from_silos([{"x": x} for x in xs])
+
+
+@pytest.mark.parametrize("covariance", ["full", "diag"])
+def test_t13_laplace_is_exact_on_gaussian_silos(blobs, covariance):
+    xs, data = blobs
+    q = nf.fit_surrogates(blob_model, data, covariance=covariance)
+    for s, x in enumerate(xs):
+        n = len(x)
+        expected = n * np.eye(2) if covariance == "full" else np.full(2, n)
+        np.testing.assert_allclose(q.precision[s], expected, rtol=1e-8, atol=1e-8)
+        np.testing.assert_allclose(q.shift[s], x.sum(0), rtol=1e-8)  # N_s xbar_s
+    q = nf.fit_surrogates(blob_model, data, prior_power=0.5)
+    np.testing.assert_allclose(q.precision[0], (50 + 0.5 * 0.2) * np.eye(2), rtol=1e-8)
+
+
+def test_t13_laplace_with_local_latents_is_the_exact_marginal_likelihood():
+    """normal_normal: ybar_g | mu ~ N(mu, tau^2 + sigma^2 / R) per group, so silo s's
+    likelihood of mu has precision sum_g 1 / (1 + 0.49 / R), shift sum_g ybar_g * that."""
+    rng = np.random.default_rng(1)
+    y = rng.normal(size=(8, 4)) + 1.0
+    groups = np.repeat([0, 1, 2], [2, 4, 2])
+    data = nf.FederatedData.from_groups(groups, y=y)
+    q = nf.fit_surrogates(nf.federate(m.normal_normal, silos="group"), data)
+    w = 1 / (1.0 + 0.7**2 / 4)
+    for s in range(3):
+        ybar = y[groups == s].mean(1)
+        np.testing.assert_allclose(q.precision[s], [[w * len(ybar)]], rtol=1e-8)
+        np.testing.assert_allclose(q.shift[s], [w * ybar.sum()], rtol=1e-8)
+
+
+def test_t13_local_sgld_moment_matching_within_monte_carlo_error(blobs):
+    xs, data = blobs
+    n, h, draws = 50, 4e-3, 20000
+    q = nf.fit_surrogates(
+        blob_model,
+        data,
+        method="sgld",
+        covariance="diag",
+        step_size=h,
+        num_warmup=500,
+        num_samples=draws,
+        rng_key=jax.random.key(3),
+    )
+    mean, var = surrogate_moments(q)
+    for s, x in enumerate(xs):
+        lam = len(x)
+        a = 1 - h * lam / 2  # Langevin on N(xbar, 1/lam) is an AR(1) process
+        stationary = 1 / (lam * (1 - h * lam / 4))  # ULA's known O(h) inflation
+        ess = draws * (1 - a) / (1 + a)
+        se = np.sqrt(stationary / ess)
+        assert np.all(np.abs(mean[s] - x.mean(0)) < 5 * se)
+        np.testing.assert_allclose(var[s], stationary, rtol=5 * np.sqrt(2 / ess))
+    assert n == len(xs[0])
+
+
+def test_t13_vi_recovers_gaussian_silos(blobs):
+    xs, data = blobs
+    q = nf.fit_surrogates(
+        blob_model, data, method="vi", num_steps=3000, learning_rate=1e-2
+    )
+    mean, cov = surrogate_moments(q)
+    for s, x in enumerate(xs):
+        sd = 1 / np.sqrt(len(x))  # the exact optimum is N(xbar_s, I / N_s)
+        assert np.all(np.abs(mean[s] - x.mean(0)) < 0.05 * sd)
+        np.testing.assert_allclose(cov[s] * len(x), np.eye(2), atol=0.1)
+
+
+def test_natural_parameter_algebra():
+    rng = np.random.default_rng(2)
+    a = rng.normal(size=(3, 4, 4))
+    cov = a @ a.transpose(0, 2, 1) + np.eye(4)
+    mean = rng.normal(size=(3, 4))
+    q = gaussian_surrogates(mean, cov)
+    back_mean, back_cov = surrogate_moments(q)
+    np.testing.assert_allclose(back_mean, mean, rtol=1e-9)
+    np.testing.assert_allclose(back_cov, cov, rtol=1e-9)
+    prod = surrogate_product(q)
+    np.testing.assert_allclose(prod.precision, np.linalg.inv(cov).sum(0), rtol=1e-10)
+    theta = jnp.asarray(rng.normal(size=4))
+    for s in range(3):
+        log_q = lambda t, s=s: dist.MultivariateNormal(mean[s], cov[s]).log_prob(t)
+        np.testing.assert_allclose(
+            surrogate_grad(q, theta)[s], jax.grad(log_q)(theta), rtol=1e-9
+        )
+    log_prod = lambda t: sum(
+        dist.MultivariateNormal(mean[s], cov[s]).log_prob(t) for s in range(3)
+    )
+    np.testing.assert_allclose(
+        surrogate_grad(prod, theta), jax.grad(log_prod)(theta), rtol=1e-9
+    )
+    diag = gaussian_surrogates(mean, np.ones((3, 4)) * 2.0)
+    np.testing.assert_allclose(surrogate_grad(diag, theta), (mean - theta) / 2.0)
+
+
+def test_invalid_surrogates_and_settings_raise_clear_errors(blobs):
+    _, data = blobs
+    ok = GaussianSurrogates(jnp.ones((2, 3)), jnp.zeros((2, 3)))
+    with pytest.raises(ValueError, match="silo 1 has a precision that is not positive"):
+        check_surrogates(ok._replace(precision=ok.precision.at[1, 2].set(0.0)))
+    full = GaussianSurrogates(
+        jnp.stack([jnp.eye(2), jnp.diag(jnp.array([1.0, -1.0]))]), jnp.zeros((2, 2))
+    )
+    with pytest.raises(ValueError, match="silo 1 has a precision that is not positive"):
+        check_surrogates(full)
+    asym = full._replace(precision=full.precision.at[0, 0, 1].set(0.5))
+    with pytest.raises(ValueError, match="silo 0 has a non-symmetric precision"):
+        check_surrogates(asym)
+    with pytest.raises(ValueError, match="silo 0 has non-finite"):
+        check_surrogates(ok._replace(shift=ok.shift.at[0, 0].set(jnp.nan)))
+    with pytest.raises(ValueError, match="surrogates for 2 silos but the data hold 3"):
+        check_surrogates(ok, num_silos=3)
+    with pytest.raises(ValueError, match="shift"):
+        check_surrogates(GaussianSurrogates(jnp.ones(3), jnp.zeros(3)))
+    with pytest.raises(TypeError, match="GaussianSurrogates"):
+        check_surrogates((jnp.ones((2, 3)), jnp.zeros((2, 3))))
+    with pytest.raises(ValueError, match="method must be one of"):
+        nf.fit_surrogates(blob_model, data, method="ep")
+    with pytest.raises(ValueError, match="covariance must be"):
+        nf.fit_surrogates(blob_model, data, covariance="lowrank")
+    with pytest.raises(ValueError, match="needs a positive step_size"):
+        nf.fit_surrogates(blob_model, data, method="sgld")
+    with pytest.raises(ValueError, match="prior_power"):
+        nf.fit_surrogates(blob_model, data, prior_power=-1.0)
+
+
+def test_rank_deficient_local_likelihood_is_reported_and_prior_power_fixes_it():
+    """A regression silo with one row cannot identify two coefficients: its Laplace
+    precision is singular and the error names the silo; a share of the prior
+    (prior_power) makes it proper."""
+
+    def regression(X, y):
+        beta = numpyro.sample("beta", dist.Normal(0.0, 2.0).expand([2]).to_event(1))
+        with nf.silo_plate("data", X.shape[0]):
+            numpyro.sample("y", dist.Normal(X @ beta, 1.0), obs=y)
+
+    rng = np.random.default_rng(4)
+    X, y = rng.normal(size=(6, 2)), rng.normal(size=6)
+    data = nf.FederatedData.from_groups([0, 0, 0, 1, 0, 0], X=X, y=y)
+    with pytest.raises(ValueError, match="silo 1 has a precision that is not positive"):
+        nf.fit_surrogates(regression, data)
+    q = nf.fit_surrogates(regression, data, prior_power=0.5)
+    x = X[3]
+    np.testing.assert_allclose(q.precision[1], np.outer(x, x) + 0.5 / 4 * np.eye(2))
