@@ -27,6 +27,7 @@ under two runtimes: ``"simulate"`` (one jitted round, parties unrolled in it) an
 every message materialized and optionally recorded).
 """
 
+from functools import partial
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -390,10 +391,9 @@ class VerticalSFVI:
         >>> x1, x2 = jnp.linspace(-1, 1, 20), jnp.cos(jnp.arange(20.0))
         >>> data = nf.VerticalData({"a": {"x1": x1}, "b": {"x2": x2}}, {"y": x1 - x2})
         >>> vfl = nf.VerticalSFVI(nf.augment(model, 0.1), nf.VerticalFamily(), optax.adam(0.05))
-        >>> result = vfl.run(jax.random.key(0), 500, data, progress_bar=False)
-        >>> draws = vfl.sample_posterior(jax.random.key(1), result.params, num_samples=500)
-        >>> round(float(draws["b1"].mean()), 0), round(float(draws["b2"].mean()), 0)
-        (1.0, -1.0)
+        >>> structure = vfl.setup(data)  # what init traces; run(key, steps, data) fits
+        >>> structure.parties, structure.z_shape["a"]
+        (('a', 'b'), (20,))
     """
 
     def __init__(
@@ -433,6 +433,7 @@ class VerticalSFVI:
         self.record_messages = record_messages
         self.messages: list = []
         self.structure: VerticalStructure | None = None
+        self._layout: tuple = ()
         self._built: dict = {}
 
     # ------------------------------------------------------------ construction
@@ -456,6 +457,11 @@ class VerticalSFVI:
             raise TypeError(
                 f"data must be a nf.VerticalData, got {type(data).__name__}."
             )
+        layout = (data.labels, data.parties) + tuple(
+            (k, v.shape, str(v.dtype)) for k, v in sorted(data.arrays.items())
+        )
+        if self.structure is not None and layout == self._layout:
+            return self.structure  # same shapes: keep the compiled rounds
         structure = vertical_structure(self.model, data.pooled())
         unknown = [p for p in structure.parties if p not in data.parties]
         if unknown or set(data.parties) - set(structure.parties):
@@ -484,6 +490,7 @@ class VerticalSFVI:
             self.model, self.family, structure, self._optims_by_owner, stl=self.stl
         )
         self._built = {}
+        self._layout = layout
         return structure
 
     def _views(self, data: VerticalData) -> dict:
@@ -591,7 +598,9 @@ class VerticalSFVI:
             key = jax.random.fold_in(init_key, i + 1)
             raw = self.family.init(p, key)
             if self.family.aux == "meanfield":  # start q(z_j) at the prior mean
-                u = self._contribution_at(p, raw, views[p])
+                # jitted: placeholders (NaN) in other parties' blocks must not meet
+                # NumPyro's eager argument validation
+                u = jax.jit(partial(self._contribution_at, p))(raw, views[p])
                 raw = self.family.init(p, key, u)
             parties[p] = VerticalPartyState(raw, self._optims_by_owner[p].init(raw))
         raw0 = self.family.init(SERVER, init_key)
@@ -663,7 +672,8 @@ class VerticalSFVI:
             state,
             num_steps,
             progress_bar=progress_bar,
-            scan=self.runtime == "simulate",
+            # a scan compiles the round again: worth it for long runs only
+            scan=self.runtime == "simulate" and num_steps >= 200,
         )
         return RunResult(self.get_params(state), state, losses)
 
@@ -821,7 +831,7 @@ class VerticalSFVI:
             for party in st.parties:
                 p = fam.constrain(party, raws[party])
                 zd = fam.z_dist(party, p, h.contributions[party], y)
-                numpyro.sample(z_name(party), zd.to_event(len(st.z_shape[party])))
+                numpyro.sample(z_name(party), zd.to_event(st.z_event_dim[party]))
 
         return guide
 

@@ -61,6 +61,8 @@ class VerticalStructure(NamedTuple):
       excluded).
     - **params** - owner -> ``numpyro.param`` site -> :class:`ParamSpec`.
     - **z_shape** - party -> shape of its auxiliary (one entry per row in the batch).
+    - **z_event_dim** - party -> event dims of its auxiliary site (dims no plate
+      covers).
     - **z_scale** - the auxiliaries' subsampling scale :math:`n/B` (1 without).
     - **rows** - ``(plate name, size, subsample size)`` of the plate around the
       auxiliaries, or ``None``.
@@ -72,6 +74,7 @@ class VerticalStructure(NamedTuple):
     latents: dict
     params: dict
     z_shape: dict
+    z_event_dim: dict
     z_scale: float
     rows: tuple | None
     likelihood: tuple
@@ -103,7 +106,7 @@ def vertical_structure(model: AugmentedModel, arrays: dict) -> VerticalStructure
     parties = tuple(sorted(probe.contributions))
     latents: dict = {p: {} for p in parties + (SERVER,)}
     params: dict = {p: {} for p in parties + (SERVER,)}
-    z_shape, z_scale, rows = {}, 1.0, None
+    z_shape, z_event_dim, z_scale, rows = {}, {}, 1.0, None
     aux = {z_name(p) for p in parties}
     for name, site in tr.items():
         owner = party_of(site) or SERVER
@@ -119,6 +122,7 @@ def vertical_structure(model: AugmentedModel, arrays: dict) -> VerticalStructure
             continue
         elif name in aux:
             z_shape[owner] = tuple(jnp.shape(site["value"]))
+            z_event_dim[owner] = site["fn"].event_dim
             z_scale = 1.0 if site["scale"] is None else float(site["scale"])
             frames = site["cond_indep_stack"]
             if frames:
@@ -150,6 +154,7 @@ def vertical_structure(model: AugmentedModel, arrays: dict) -> VerticalStructure
         latents,
         params,
         z_shape,
+        z_event_dim,
         z_scale,
         rows,
         tuple(sorted(probe.likelihood)),
