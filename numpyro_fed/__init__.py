@@ -7,10 +7,16 @@ the data with :class:`FederatedData`, and run a federated algorithm such as
 :class:`SFVI` with the API of NumPyro's ``SVI``.
 """
 
+from numpyro_fed import expfam
 from numpyro_fed.algorithms import (
     DSGLD,
     FSGLD,
+    PVI,
     SFVI,
+    InvalidCavity,
+    PVIParams,
+    PVIResult,
+    PVIState,
     RunResult,
     SFVIAvg,
     SFVIParams,
@@ -36,6 +42,7 @@ from numpyro_fed.families import AutoAmortized, AutoMeanField, AutoStructured
 from numpyro_fed.handlers import federate, silo_plate
 from numpyro_fed.partition import ModelRoles, analyze
 from numpyro_fed.protocol import FederatedAlgorithm, SiloData
+from numpyro_fed.surrogates import GaussianSurrogates, fit_surrogates
 from numpyro_fed.vertical import (
     AugmentedModel,
     VerticalData,
@@ -45,11 +52,15 @@ from numpyro_fed.vertical import (
     contribution,
     vertical,
 )
-from numpyro_fed.surrogates import GaussianSurrogates, fit_surrogates
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "InvalidCavity",
+    "PVI",
+    "PVIParams",
+    "PVIResult",
+    "PVIState",
     "AutoAmortized",
     "AutoMeanField",
     "AutoStructured",
@@ -68,6 +79,7 @@ __all__ = [
     "SiloData",
     "analyze",
     "annealed_step_size",
+    "expfam",
     "compare",
     "federate",
     "fit_centralized",

@@ -3,6 +3,13 @@
 """Federated inference algorithms, each a factory of pure functions plus a wrapper."""
 
 from numpyro_fed.algorithms._runner import RunResult
+from numpyro_fed.algorithms.pvi_wrapper import (
+    PVI,
+    InvalidCavity,
+    PVIParams,
+    PVIResult,
+    PVIState,
+)
 from numpyro_fed.algorithms.sfvi import (
     SFVIInfo,
     SFVIServerMessage,
@@ -19,12 +26,6 @@ from numpyro_fed.algorithms.sfvi_avg import (
     sfvi_avg,
 )
 from numpyro_fed.algorithms.sfvi_wrapper import SFVI, SFVIAvg, SFVIParams, SFVIState
-from numpyro_fed.algorithms.vertical import (
-    VerticalParams,
-    VerticalSFVI,
-    VerticalSFVIState,
-    vertical_sfvi,
-)
 from numpyro_fed.algorithms.sgld import (
     DSGLD,
     FSGLD,
@@ -32,6 +33,12 @@ from numpyro_fed.algorithms.sgld import (
     SGLDState,
     annealed_step_size,
     fsgld,
+)
+from numpyro_fed.algorithms.vertical import (
+    VerticalParams,
+    VerticalSFVI,
+    VerticalSFVIState,
+    vertical_sfvi,
 )
 
 __all__ = [
@@ -41,6 +48,11 @@ __all__ = [
     "SGLDState",
     "annealed_step_size",
     "fsgld",
+    "InvalidCavity",
+    "PVI",
+    "PVIParams",
+    "PVIResult",
+    "PVIState",
     "SFVI",
     "SFVIAvg",
     "SFVIAvgServerMessage",

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from numpyro_fed.algorithms._posterior import sample_structured
 from numpyro_fed.algorithms._runner import RunResult, run_loop
 from numpyro_fed.algorithms.sfvi import (
     SFVIServerState,
@@ -362,32 +363,7 @@ class SFVI:
         :param int num_samples: number of draws.
         :return: dict site name -> draws with a leading ``num_samples`` axis.
         """
-        guide = self.guide
-        unit_axis = {n: s.unit_axis for n, s in guide.local_specs.items()}
-
-        num_silos = len(jax.tree.leaves(params.eta_local)[0]) if params.eta_local else 0
-        if params.eta_local:
-            units = params.eta_local["loc"].shape[1]
-            ids = jnp.broadcast_to(jnp.arange(units), (num_silos, units))
-            if data is not None:
-                ids = data.unit_ids
-
-        def one(key):
-            z_g, values, _ = guide.draw_global(params.eta_global, key)
-            if params.eta_local:
-                local, _ = jax.vmap(
-                    lambda eta, i: guide.draw_local(params.eta_global, eta, z_g, key, i)
-                )(params.eta_local, ids)
-                values.update(local)
-            return values
-
-        draws = jax.vmap(one)(jax.random.split(rng_key, num_samples))
-        if data is not None:
-            for name, axis in unit_axis.items():
-                x = jnp.moveaxis(draws[name], axis + 2, 2)  # (S, J, P, ...)
-                x = jax.vmap(data.gather_units)(x)  # (S, N, ...)
-                draws[name] = jnp.moveaxis(x, 1, axis + 1)
-        return draws
+        return sample_structured(self.guide, rng_key, params, data, num_samples)
 
     def pooled_params(self, params: SFVIParams, data: Any) -> dict[str, jax.Array]:
         """``params`` under the names and pooled layout of the NumPyro guide

@@ -1,0 +1,212 @@
+# Copyright Contributors to the numpyro-fed project.
+# SPDX-License-Identifier: Apache-2.0
+"""Gaussian factors in natural parameters: the algebra of PVI and Fed-GVI.
+
+A factor :math:`t(u) = \\exp(h^\\top u - \\tfrac12 u^\\top \\Lambda u)` over a flat
+unconstrained vector :math:`u` is stored as :class:`GaussianNat` ``(h, prec)``, with the
+precision :math:`\\Lambda` itself rather than :math:`-\\tfrac12\\Lambda` (one sign
+convention less to get wrong). ``prec`` is a vector for mean-field (diagonal) factors
+and a matrix for full-rank ones. Factors multiply by adding their natural parameters and
+divide by subtracting them; a *factor* may have an indefinite precision (an approximate
+likelihood need not be a density), a *distribution* (a posterior, a cavity) may not:
+:func:`is_valid` tells which. Keep this bookkeeping in float64: subtracting nearly equal
+large precisions loses digits in float32.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "GaussianNat",
+    "expected_log_factor",
+    "from_loc_scale",
+    "from_moments",
+    "is_full",
+    "is_valid",
+    "kl",
+    "log_density",
+    "log_normalizer",
+    "renyi",
+    "to_loc_scale",
+    "to_moments",
+]
+
+_LOG_2PI = float(np.log(2 * np.pi))
+
+
+class GaussianNat(NamedTuple):
+    """A Gaussian factor :math:`\\exp(h^\\top u - \\frac12 u^\\top\\Lambda u)`.
+
+    - **h** - precision-weighted mean :math:`\\Lambda\\mu`, shape ``(d,)``.
+    - **prec** - precision :math:`\\Lambda`: ``(d,)`` (diagonal) or ``(d, d)``.
+
+    Natural parameters add under products (``a + b`` is *not* that: tuples concatenate;
+    use :meth:`plus`, :meth:`minus`, :meth:`times`).
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import jax.numpy as jnp
+        >>> from numpyro_fed.expfam import GaussianNat, from_moments, to_moments
+        >>> q = from_moments(jnp.array([1.0, 2.0]), jnp.array([4.0, 0.25]))
+        >>> q.h.tolist(), q.prec.tolist()
+        ([0.25, 8.0], [0.25, 4.0])
+        >>> cavity = q.minus(from_moments(jnp.array([1.0, 2.0]), jnp.array([8.0, 0.5])))
+        >>> to_moments(cavity)[1].tolist()
+        [8.0, 0.5]
+    """
+
+    h: jax.Array
+    prec: jax.Array
+
+    def plus(self, other: "GaussianNat") -> "GaussianNat":
+        """The product of two factors."""
+        return jax.tree.map(jnp.add, self, other)
+
+    def minus(self, other: "GaussianNat") -> "GaussianNat":
+        """The quotient of two factors (a cavity, a factor update)."""
+        return jax.tree.map(jnp.subtract, self, other)
+
+    def times(self, c) -> "GaussianNat":
+        """The factor raised to the power ``c`` (damping, averaging)."""
+        return jax.tree.map(lambda x: c * x, self)
+
+    @classmethod
+    def zeros(cls, dim: int, full: bool, dtype=None) -> "GaussianNat":
+        """The flat factor :math:`t(u) = 1`."""
+        prec = jnp.zeros((dim, dim) if full else (dim,), dtype)
+        return cls(jnp.zeros((dim,), dtype), prec)
+
+
+def is_full(nat: GaussianNat) -> bool:
+    """Whether ``nat`` has a full (matrix) precision."""
+    return jnp.ndim(nat.prec) == jnp.ndim(nat.h) + 1
+
+
+def _cholesky(prec: jax.Array) -> jax.Array:
+    # Symmetrize first: sums of many factors drift off symmetry by rounding.
+    return jnp.linalg.cholesky(0.5 * (prec + jnp.swapaxes(prec, -1, -2)))
+
+
+def is_valid(nat: GaussianNat) -> jax.Array:
+    """Whether ``nat`` is a normalizable Gaussian: finite, with a positive-definite
+    precision (a scalar boolean array, usable under ``jit``)."""
+    finite = jnp.all(jnp.isfinite(nat.h)) & jnp.all(jnp.isfinite(nat.prec))
+    if is_full(nat):
+        chol = _cholesky(jnp.where(jnp.isfinite(nat.prec), nat.prec, 0.0))
+        return finite & jnp.all(jnp.isfinite(chol)) & jnp.all(jnp.diagonal(chol) > 0)
+    return finite & jnp.all(nat.prec > 0)
+
+
+def from_moments(mean: jax.Array, cov: jax.Array) -> GaussianNat:
+    """Natural parameters of :math:`N(\\mu, \\Sigma)`; ``cov`` is a vector of variances
+    (diagonal) or a matrix."""
+    if jnp.ndim(cov) == jnp.ndim(mean):
+        prec = 1.0 / cov
+        return GaussianNat(prec * mean, prec)
+    chol = _cholesky(cov)
+    eye = jnp.eye(cov.shape[-1], dtype=cov.dtype)
+    inv_chol = jax.scipy.linalg.solve_triangular(chol, eye, lower=True)
+    prec = inv_chol.T @ inv_chol
+    return GaussianNat(prec @ mean, 0.5 * (prec + prec.T))
+
+
+def to_moments(nat: GaussianNat) -> tuple[jax.Array, jax.Array]:
+    """``(mean, cov)`` of a valid factor (variances for a diagonal one)."""
+    if not is_full(nat):
+        cov = 1.0 / nat.prec
+        return cov * nat.h, cov
+    chol = _cholesky(nat.prec)
+    mean = jax.scipy.linalg.cho_solve((chol, True), nat.h)
+    eye = jnp.eye(nat.h.shape[-1], dtype=nat.h.dtype)
+    cov = jax.scipy.linalg.cho_solve((chol, True), eye)
+    return mean, 0.5 * (cov + cov.T)
+
+
+def from_loc_scale(loc, scale, tril=None) -> GaussianNat:
+    """Natural parameters of the :class:`~numpyro_fed.AutoStructured` global factor
+    :math:`N(\\mu, \\mathrm{diag}(\\sigma) L L^\\top \\mathrm{diag}(\\sigma))`, with
+    :math:`L` unit lower-triangular (``tril=None``: diagonal)."""
+    if tril is None:
+        return from_moments(loc, scale**2)
+    factor = scale[:, None] * (
+        jnp.tril(tril, -1) + jnp.eye(loc.shape[-1], dtype=loc.dtype)
+    )
+    return from_moments(loc, factor @ factor.T)
+
+
+def to_loc_scale(nat: GaussianNat):
+    """The inverse of :func:`from_loc_scale`: ``(loc, scale, tril)``, ``tril`` ``None``
+    for a diagonal factor."""
+    mean, cov = to_moments(nat)
+    if not is_full(nat):
+        return mean, jnp.sqrt(cov), None
+    chol = _cholesky(cov)
+    scale = jnp.diagonal(chol)
+    return mean, scale, jnp.tril(chol / scale[:, None], -1)
+
+
+def log_normalizer(nat: GaussianNat) -> jax.Array:
+    """:math:`A(\\eta) = \\frac12 h^\\top\\Lambda^{-1}h - \\frac12\\log|\\Lambda| +
+    \\frac d2 \\log 2\\pi` (finite only for a valid factor)."""
+    d = nat.h.shape[-1]
+    if not is_full(nat):
+        return (
+            0.5 * jnp.sum(nat.h**2 / nat.prec - jnp.log(nat.prec)) + 0.5 * d * _LOG_2PI
+        )
+    chol = _cholesky(nat.prec)
+    white = jax.scipy.linalg.solve_triangular(chol, nat.h, lower=True)
+    log_det = 2 * jnp.sum(jnp.log(jnp.diagonal(chol)))
+    return 0.5 * jnp.sum(white**2) - 0.5 * log_det + 0.5 * d * _LOG_2PI
+
+
+def _quadratic(nat: GaussianNat, u: jax.Array) -> jax.Array:
+    if is_full(nat):
+        return u @ nat.h - 0.5 * u @ nat.prec @ u
+    return jnp.sum(u * nat.h - 0.5 * nat.prec * u**2)
+
+
+def log_density(nat: GaussianNat, u: jax.Array, normalized: bool = True) -> jax.Array:
+    """:math:`\\log t(u)`, minus :math:`A(\\eta)` when ``normalized``."""
+    value = _quadratic(nat, u)
+    return value - log_normalizer(nat) if normalized else value
+
+
+def expected_log_factor(nat: GaussianNat, q: GaussianNat) -> jax.Array:
+    """:math:`E_q[h^\\top u - \\frac12 u^\\top\\Lambda u]` in closed form (``nat`` may be
+    any factor, ``q`` must be valid). Linear in ``nat``: the expectation of a sum of
+    factors is the expectation of the aggregated factor (seed 004's observation)."""
+    mean, cov = to_moments(q)
+    if is_full(nat):
+        cov = cov if is_full(q) else jnp.diag(cov)
+        second = cov + jnp.outer(mean, mean)
+        return nat.h @ mean - 0.5 * jnp.sum(nat.prec * second)
+    var = jnp.diagonal(cov) if is_full(q) else cov
+    return jnp.sum(nat.h * mean - 0.5 * nat.prec * (var + mean**2))
+
+
+def kl(q: GaussianNat, p: GaussianNat) -> jax.Array:
+    """:math:`KL(q \\| p)` between valid factors of the same kind.
+
+    Uses :math:`KL = A(\\eta_p) - A(\\eta_q) - (\\eta_p - \\eta_q)^\\top E_q[T(u)]`.
+    """
+    return log_normalizer(p) - log_normalizer(q) - expected_log_factor(p.minus(q), q)
+
+
+def renyi(q: GaussianNat, p: GaussianNat, alpha: float) -> jax.Array:
+    """The Rényi divergence of order ``alpha`` (``alpha > 0``, ``alpha != 1``),
+    :math:`\\frac{1}{\\alpha-1}\\log\\int q^\\alpha p^{1-\\alpha}`, in closed form via
+    log-normalizers; ``inf`` when :math:`\\alpha\\eta_q + (1-\\alpha)\\eta_p` is not a
+    valid Gaussian (the integral diverges)."""
+    mix = q.times(alpha).plus(p.times(1.0 - alpha))
+    log_integral = (
+        log_normalizer(mix)
+        - alpha * log_normalizer(q)
+        - (1.0 - alpha) * log_normalizer(p)
+    )
+    value = log_integral / (alpha - 1.0)
+    return jnp.where(is_valid(mix), value, jnp.inf)
