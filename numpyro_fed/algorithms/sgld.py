@@ -118,22 +118,33 @@ class SGLDConfig(NamedTuple):
 
 
 class ChainSurrogates(NamedTuple):
-    r"""What the chain needs of the surrogates.
+    r"""The conducive gradient of each silo as one affine map,
+    :math:`\alpha g_s(\theta) = b_s - A_s \theta` with
+    :math:`A_s = \alpha(\Lambda - \Lambda_s / f_s)` and
+    :math:`b_s = \alpha(h - h_s / f_s)`, where :math:`(\Lambda, h)` is the product
+    :math:`q = \prod_k q_k`: one matrix-vector product per step, whatever ``J``.
 
-    - **precision** - per-silo :math:`\Lambda_s`, ``(J, D, D)`` or ``(J, D)``.
-    - **shift** - per-silo :math:`h_s`, ``(J, D)``.
-    - **product** - ``(Lambda, h)`` of :math:`q = \prod_s q_s`, summed once.
+    - **precision** - :math:`A_s`, ``(J, D, D)`` or ``(J, D)`` (diagonal surrogates).
+    - **shift** - :math:`b_s`, ``(J, D)``.
     """
 
     precision: jax.Array
     shift: jax.Array
-    product: tuple
 
     @classmethod
-    def of(cls, s: GaussianSurrogates) -> "ChainSurrogates":
-        """From :class:`~numpyro_fed.GaussianSurrogates`."""
+    def of(
+        cls, s: GaussianSurrogates, silo_probs: Any, alpha: float = 1.0
+    ) -> "ChainSurrogates":
+        """From per-silo :class:`~numpyro_fed.GaussianSurrogates`, :math:`f` and
+        :math:`\alpha`."""
         s = GaussianSurrogates(jnp.asarray(s.precision), jnp.asarray(s.shift))
-        return cls(s.precision, s.shift, tuple(surrogate_product(s)))
+        q = surrogate_product(s)
+        f = jnp.asarray(silo_probs)
+        f_prec = f.reshape((-1,) + (1,) * (s.precision.ndim - 1))
+        return cls(
+            alpha * (q.precision - s.precision / f_prec),
+            alpha * (q.shift - s.shift / f[:, None]),
+        )
 
 
 def annealed_step_size(a: float, b: float = 1.0, gamma: float = 0.55) -> Callable:
@@ -222,13 +233,10 @@ def estimator(
     theta = pot.flatten(z_global)
     psi = pot.flatten(jax.grad(pot.log_prior)(z_global)) + pot.flatten(g_lik) / f_s
     if cfg.surrogates is not None:
-        # The product's natural parameters are summed once: O(D^2) per step, any J.
-        q = GaussianSurrogates(*cfg.surrogates.product)
         own = GaussianSurrogates(
             cfg.surrogates.precision[silo], cfg.surrogates.shift[silo]
         )
-        g_s = surrogate_grad(q, theta) - surrogate_grad(own, theta) / f_s
-        psi = psi + cfg.alpha * g_s
+        psi = psi + surrogate_grad(own, theta)  # alpha g_s = b_s - A_s theta
     return psi, g_local
 
 
@@ -627,7 +635,7 @@ class FSGLD(MCMCKernel):
                 self._alpha,
                 None
                 if self._surrogates is None
-                else ChainSurrogates.of(self._surrogates),
+                else ChainSurrogates.of(self._surrogates, f, self._alpha),
                 self._batch_size,
                 self._replace,
             )

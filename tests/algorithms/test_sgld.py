@@ -92,7 +92,7 @@ def jit_estimator(pot, cfg):
 
 
 def config(f, surrogates=None, alpha=1.0, batch_size=None):
-    chain = None if surrogates is None else ChainSurrogates.of(surrogates)
+    chain = None if surrogates is None else ChainSurrogates.of(surrogates, f, alpha)
     return SGLDConfig(lambda t: 1e-3, 1, jnp.asarray(f), alpha, chain, batch_size, True)
 
 
