@@ -326,3 +326,52 @@ def newsgroups20(
     return Newsgroups(
         counts[keep], np.array(vocab), np.array(labels, np.int64)[keep], groups
     )
+
+
+__all__ += ["Susy", "susy"]
+
+
+class Susy(NamedTuple):
+    """The UCI SUSY data (Baldi et al. 2014): 18 kinematic features, signal vs
+    background.
+
+    - **X** - ``(N, 18)`` float features.
+    - **y** - ``(N,)`` labels in {0., 1.} (1: signal).
+    """
+
+    X: np.ndarray
+    y: np.ndarray
+
+
+def susy(path: str, num_rows: int | None = None) -> Susy:
+    """
+    Load the SUSY data from a user-supplied copy of the UCI file (``SUSY.csv`` or
+    ``SUSY.csv.gz``: no header, the label first, then the 18 features); nothing is
+    downloaded.
+
+    :param str path: path of the CSV file (gzip is read transparently).
+    :param int num_rows: read only the first ``num_rows`` rows (the file has 5M).
+    :rtype: Susy
+    :raises ValueError: if a row does not have 19 columns or a label is not 0/1.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import os, tempfile
+        >>> from numpyro_fed.datasets import susy
+        >>> path = os.path.join(tempfile.mkdtemp(), "SUSY.csv")
+        >>> _ = open(path, "w").write("1.0" + ",0.5" * 18 + "\\n0.0" + ",-1" * 18 + "\\n")
+        >>> data = susy(path)
+        >>> data.X.shape, data.y.tolist()
+        ((2, 18), [1.0, 0.0])
+    """
+    table = np.loadtxt(path, delimiter=",", max_rows=num_rows, ndmin=2)
+    if table.shape[1] != 19:
+        raise ValueError(
+            f"{path}: expected 19 columns (label + 18 features), got {table.shape[1]}."
+        )
+    y = table[:, 0]
+    if not np.isin(y, (0.0, 1.0)).all():
+        raise ValueError(f"{path}: the first column must hold 0/1 labels.")
+    return Susy(table[:, 1:], y)
