@@ -606,7 +606,13 @@ class VerticalSFVI:
         raw0 = self.family.init(SERVER, init_key)
         server = VerticalServerState(raw0, self._optims_by_owner[SERVER].init(raw0))
         state = VerticalSFVIState(server, parties, rng_key)
-        _, _, info = self._step_fn(views)(state)
+        step = self._step_fn(views)
+        # strong dtypes as a round returns them, so that rounds compile once
+        shapes = jax.eval_shape(step, state)[0]
+        state = jax.tree.map(
+            lambda x, y: jax.lax.convert_element_type(x, y.dtype), state, shapes
+        )
+        _, _, info = step(state)
         bad = [o for o, v in info.items() if not np.isfinite(float(v))]
         if bad:
             raise VerticalModelError(
