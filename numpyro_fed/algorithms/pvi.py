@@ -374,18 +374,25 @@ def pvi(
             def loglik(u):
                 return log_lik_at(is_prior, u, message.theta, data)
 
-            def target(factor, _):
-                points = _sigma_points(cavity.plus(factor))
+            def target(factor):
+                q = cavity.plus(factor)
+                points = _sigma_points(q)
                 grad = jnp.mean(jax.vmap(jax.grad(loglik))(points), 0)
                 hess = jnp.mean(jax.vmap(jax.hessian(loglik))(points), 0)
-                mean = to_moments(cavity.plus(factor))[0]
+                mean = to_moments(q)[0]
                 if full:
                     prec = -0.5 * (hess + hess.T)
-                    return GaussianNat(grad + prec @ mean, prec), None
+                    return GaussianNat(grad + prec @ mean, prec)
                 prec = -jnp.diagonal(hess)
-                return GaussianNat(grad + prec * mean, prec), None
+                return GaussianNat(grad + prec * mean, prec)
 
-            factor, _ = lax.scan(target, state.factor, None, length=local_steps)
+            def iterate(factor, _):
+                # A fixed-point step that would leave the local q invalid (a
+                # non-log-concave likelihood seen through a wide q) is shortened.
+                q, _ = apply_update(cavity.plus(factor), target(factor).minus(factor))
+                return q.minus(cavity), None
+
+            factor, _ = lax.scan(iterate, state.factor, None, length=local_steps)
             return cavity.plus(factor), state
 
         fit = natural_fit if local_solver == "natural" else adam_fit
@@ -395,8 +402,9 @@ def pvi(
             # t_0's cavity (the silo factors alone) may be improper; its tilted
             # distribution, with the prior in it, is not.
             valid = jnp.array(True) if is_prior else is_valid(cavity)
-            key, report_key = jax.random.split(state.rng_key)
-            state = state._replace(rng_key=key)
+            # The report draw folds in, so the local fit's key chain is the one a
+            # centralized NumPyro SVI run would use.
+            report_key = jax.random.fold_in(state.rng_key, 1)
             # The local fit starts from the q just received, never from a cached local
             # q: the latter amplifies inexact solves under synchronous updates.
             glob0 = _unconstrain(glob_c, to_guide(message.q))
@@ -410,12 +418,13 @@ def pvi(
                 )
             q_new, new_state = fit(message, state, data, cavity)
             delta = q_new.minus(message.q).times(damping)
-            ok = valid & _all_finite((delta, elbo))
-            zero = jax.tree.map(jnp.zeros_like, delta)
+            ok = valid & _all_finite((delta, elbo, grad_theta))
+            # A non-finite reply goes to the server as it is: the server rejects and
+            # counts it; the silo keeps its state.
             reply = PVISiloMessage(
-                _select(ok, delta, zero),
-                jax.tree.map(lambda g: jnp.where(ok, g, 0.0), grad_theta),
-                jnp.where(ok, elbo, 0.0),
+                _select(valid, delta, jax.tree.map(jnp.zeros_like, delta)),
+                grad_theta,
+                elbo,
                 valid,
             )
             return reply, _select(ok, new_state, state)

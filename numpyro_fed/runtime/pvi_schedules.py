@@ -106,7 +106,7 @@ def synchronous_round(
     replies, new_silos = jax.vmap(fns.silo_step, in_axes=(None, 0, 0))(
         message, silos, data
     )
-    finite = jax.vmap(_all_finite)(replies.delta)
+    finite = jax.vmap(_all_finite)((replies.delta, replies.elbo, replies.grad_theta))
     used = participating & finite & replies.valid_cavity
     weights = lambda x: used.reshape((-1,) + (1,) * (x.ndim - 1))  # noqa: E731
     total = jax.tree.map(
@@ -184,7 +184,7 @@ def event_round(
         reply, new = fns.silo_step(
             PVIServerMessage(read, server.theta), silo, silo_data
         )
-        finite = _all_finite(reply.delta)
+        finite = _all_finite((reply.delta, reply.elbo, reply.grad_theta))
         used = participating[j] & finite & reply.valid_cavity
         q, scale = apply_update(q, _where(used, reply.delta, _zeros(reply.delta)))
         new = _commit(_where(participating[j], new, silo), reply.delta, scale, used)
