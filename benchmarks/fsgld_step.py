@@ -12,7 +12,7 @@ Benchmark: the cost of a conducive gradient, and accuracy per second
    repeats), in the same process. The ratio to SGLD is the result (target: <= 1.2).
 2. **Error of the posterior mean vs wall time** on a 100k-row logistic regression
    with label-skewed silos: NUTS (pooled data), FSGLD and DSGLD (minibatches of 100,
-   tau = 50) at several run lengths, each error in posterior sds of a long NUTS
+   tau = 10) at several run lengths, each error in posterior sds of a long NUTS
    reference. Wall times include compilation and, for FSGLD, the Laplace surrogates.
 
 Run: ``python benchmarks/fsgld_step.py`` (writes ``benchmarks/results/fsgld_step.json``;
@@ -164,9 +164,9 @@ def accuracy_vs_time(num_rows, num_silos, lengths, seed=0):
     for name in ("fsgld", "dsgld"):
         for num_samples in lengths["sgld"]:
             if name == "fsgld":
-                kernel = nf.FSGLD(model, h, q, tau=50, batch_size=100)
+                kernel = nf.FSGLD(model, h, q, tau=10, batch_size=100)
             else:
-                kernel = nf.DSGLD(model, h, tau=50, batch_size=100)
+                kernel = nf.DSGLD(model, h, tau=10, batch_size=100)
             start = time.perf_counter()
             mcmc = MCMC(
                 kernel,

@@ -230,20 +230,27 @@ def _marginal(mean, cov_or_precision, dim, diagonal, is_precision):
     return prec, shift
 
 
-def _fit_laplace(log_target, u0, num_steps):
+def _fit_laplace(log_target, u0, num_steps, tol=1e-8):
     opt = optax.lbfgs()
     loss = lambda u: -log_target(u)
     value_and_grad = optax.value_and_grad_from_state(loss)
 
-    def body(carry, _):
-        u, state = carry
+    def cond(carry):
+        _, _, i, gnorm = carry
+        return (i < num_steps) & (gnorm > tol)
+
+    def body(carry):
+        u, state, i, _ = carry
         value, grad = value_and_grad(u, state=state)
         updates, state = opt.update(
             grad, state, u, value=value, grad=grad, value_fn=loss
         )
-        return (optax.apply_updates(u, updates), state), None
+        # The gradient norm scales with the silo's size: compare it to |value| + 1.
+        gnorm = jnp.max(jnp.abs(grad)) / (jnp.abs(value) + 1.0)
+        return optax.apply_updates(u, updates), state, i + 1, gnorm
 
-    (u, _), _ = jax.lax.scan(body, (u0, opt.init(u0)), None, length=num_steps)
+    start = (u0, opt.init(u0), jnp.zeros((), jnp.int32), jnp.asarray(jnp.inf, u0.dtype))
+    u, *_ = jax.lax.while_loop(cond, body, start)
     return u, jax.hessian(loss)(u)
 
 
@@ -344,7 +351,8 @@ def fit_surrogates(
 
     Methods:
 
-    - ``"laplace"``: mode by L-BFGS (``num_steps`` iterations), then the negative
+    - ``"laplace"``: mode by L-BFGS (at most ``num_steps`` iterations, until the
+      gradient is below ``1e-8`` relative to the target's value), then the negative
       Hessian there (with local latents, the Schur complement: the Laplace
       approximation of the marginal likelihood). Exact for a Gaussian likelihood.
     - ``"sgld"``: Langevin dynamics on the local likelihood (full silo gradient,
