@@ -15,7 +15,8 @@ local copy of the real file). Surrogates are diagonal Gaussians moment-matched t
 3,000 local Langevin draws per silo, as in the paper; each silo's target includes
 ``1/30`` of the prior (``prior_power``), because a silo holding one class has an
 improper likelihood (with uniform silo probabilities the prior shares cancel in the
-conducive gradient). Weight prior N(0, 1); h = 5e-4, m = 50, tau = 40.
+conducive gradient). Weight prior N(0, 1); h = 1e-4, m = 50, tau = 40; 500 rounds
+(20,000 steps), the first half discarded, thinning 20.
 
 Part 2 runs FSGLD and NUTS on a federated logistic regression (IID silos), prints
 ``nf.compare`` and saves an ArviZ trace plot to ``examples/output/``, then compares
@@ -140,7 +141,14 @@ def table1(args):
             steps = args.rounds * args.tau
             for name in ("FSGLD", "DSGLD"):
                 if name == "FSGLD":
-                    kernel = nf.FSGLD(mlp, args.step_size, q, args.tau, batch_size=50)
+                    kernel = nf.FSGLD(
+                        mlp,
+                        args.step_size,
+                        q,
+                        args.tau,
+                        alpha=args.alpha,
+                        batch_size=50,
+                    )
                 else:
                     kernel = nf.DSGLD(mlp, args.step_size, args.tau, batch_size=50)
                 mcmc = MCMC(
@@ -257,7 +265,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=500)
     parser.add_argument("--tau", type=int, default=40)
     parser.add_argument("--thinning", type=int, default=20)
-    parser.add_argument("--step-size", type=float, default=5e-4)
+    parser.add_argument("--step-size", type=float, default=1e-4)
+    parser.add_argument("--alpha", type=float, default=1.0)
     parser.add_argument("--local-step-size", type=float, default=1e-3)
     parser.add_argument("--local-warmup", type=int, default=2000)
     parser.add_argument("--nuts-steps", type=int, default=40000)

@@ -222,6 +222,8 @@ def _marginal(mean, cov_or_precision, dim, diagonal, is_precision):
         prec = 0.5 * (prec + prec.T)
         if diagonal:
             prec = 1.0 / jnp.diag(jnp.linalg.inv(prec))
+    elif cov_or_precision.ndim == 1:  # a mean-field fit: variances
+        prec = 1.0 / cov_or_precision[:dim]
     else:
         cov = cov_or_precision[:dim, :dim]
         prec = 1.0 / jnp.diag(cov) if diagonal else jnp.linalg.inv(cov)
