@@ -345,6 +345,7 @@ def fit_surrogates(
     num_samples: int = 3000,
     learning_rate: float = 1e-2,
     num_particles: int = 8,
+    init_params: dict | None = None,
 ) -> GaussianSurrogates:
     """
     Fit one Gaussian :math:`q_s` per silo to the silo's likelihood of the global
@@ -385,6 +386,10 @@ def fit_surrogates(
     :param int num_samples: Langevin draws for the moments (``"sgld"``).
     :param float learning_rate: Adam's learning rate (``"vi"``).
     :param int num_particles: Monte Carlo draws per ELBO gradient (``"vi"``).
+    :param dict init_params: unconstrained global sites to start every silo's fit
+        from (default: the model's ``init_to_uniform``). For multimodal models (a
+        neural network's weight symmetries) a common point near one mode, e.g. the
+        end of a short DSGLD run, keeps the silos' surrogates in the same basin.
     :rtype: GaussianSurrogates
     :raises ValueError: for an unknown method or covariance, a missing step size, or
         a fitted surrogate that is not a valid Gaussian (naming the silo).
@@ -421,6 +426,11 @@ def fit_surrogates(
     rng_key = jax.random.key(0) if rng_key is None else rng_key
     init_key, fit_key = jax.random.split(rng_key)
     z0 = pot.init_position(init_key, data)
+    if init_params is not None:
+        missing = [s.name for s in pot.global_sites if s.name not in init_params]
+        if missing:
+            raise ValueError(f"init_params lacks the global site(s) {missing}.")
+        z0.update({s.name: jnp.asarray(init_params[s.name]) for s in pot.global_sites})
     z_local0 = pot.split(z0)[1]
     dim = pot.global_dim
 

@@ -51,6 +51,16 @@ def test_t13_laplace_is_exact_on_gaussian_silos(blobs, covariance):
         np.testing.assert_allclose(q.shift[s], x.sum(0), rtol=1e-8)  # N_s xbar_s
     q = nf.fit_surrogates(blob_model, data, prior_power=0.5)
     np.testing.assert_allclose(q.precision[0], (50 + 0.5 * 0.2) * np.eye(2), rtol=1e-8)
+    # a concave log target: the start does not matter
+    far = nf.fit_surrogates(
+        blob_model, data, init_params={"theta": jnp.array([9.0, -9.0])}
+    )
+    exact = nf.fit_surrogates(blob_model, data)
+    np.testing.assert_allclose(far.shift, exact.shift, rtol=1e-8)
+    with pytest.raises(
+        ValueError, match=r"init_params lacks the global site\(s\) \['theta'\]"
+    ):
+        nf.fit_surrogates(blob_model, data, init_params={"mu": jnp.zeros(2)})
 
 
 def test_t13_laplace_with_local_latents_is_the_exact_marginal_likelihood():
