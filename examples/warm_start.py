@@ -14,7 +14,7 @@ every SFVI round with the same 32 draws for both runs (common random numbers), a
 run has converged when it closes a given share of the gap between the scratch run's
 first ELBO and the best ELBO either run reaches.
 
-Run: ``python examples/warm_start.py`` (about a minute on 2 CPU cores).
+Run: ``python examples/warm_start.py`` (a few minutes on 2 CPU cores).
 """
 
 import argparse
