@@ -354,9 +354,9 @@ def test_local_latents_match_the_exact_hierarchical_posterior():
     data = nf.FederatedData.from_groups([0, 0, 0, 1, 1, 2, 2, 2, 2], y=y)
     mean, cov = m.normal_normal_posterior(y)
     q = nf.fit_surrogates(fed, data)
-    mcmc = run_chains(nf.FSGLD(fed, 1e-2, q, tau=1), data, 20000, seed=2)
+    mcmc = run_chains(nf.FSGLD(fed, 1e-2, q, tau=1), data, 12000, seed=2)
     s = mcmc.get_samples(group_by_chain=True)
-    assert s["b"].shape == (8, 20000, 9, 1)  # pooled order, as NUTS returns it
+    assert s["b"].shape == (8, 12000, 9, 1)  # pooled order, as NUTS returns it
     z = np.concatenate([np.asarray(s["mu"])[..., None], np.asarray(s["b"])[..., 0]], -1)
     mu, se, var, var_se = chain_stats(z)
     assert np.all(np.abs(mu - mean) < 4.5 * se)
