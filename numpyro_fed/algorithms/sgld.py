@@ -42,6 +42,7 @@ from numpyro.infer.initialization import init_to_uniform
 from numpyro.infer.mcmc import MCMCKernel
 from numpyro.util import identity, is_prng_key
 
+from numpyro_fed.data import FederatedData
 from numpyro_fed.potentials import (
     FederatedPotential,
     batch_indices,
@@ -597,8 +598,6 @@ class FSGLD(MCMCKernel):
     # ------------------------------------------------------------ construction
     @staticmethod
     def _data(model_args: tuple, model_kwargs: dict | None) -> Any:
-        from numpyro_fed.data import FederatedData
-
         if (
             model_kwargs
             or len(model_args) != 1
