@@ -13,6 +13,7 @@ from numpyro_fed.algorithms import (
     FSGLD,
     PVI,
     SFVI,
+    FedGVI,
     InvalidCavity,
     PVIParams,
     PVIResult,
@@ -56,6 +57,7 @@ from numpyro_fed.vertical import (
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "FedGVI",
     "InvalidCavity",
     "PVI",
     "PVIParams",

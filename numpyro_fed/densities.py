@@ -52,11 +52,15 @@ def _in_plate(site: dict, plate: str) -> bool:
     return any(frame.name == plate for frame in site["cond_indep_stack"])
 
 
-def _sum_log_probs(trace: dict, keep: Callable[[dict], bool]) -> jax.Array:
+def _sum_log_probs(
+    trace: dict, keep: Callable[[dict], bool], observed_fn: Callable | None = None
+) -> jax.Array:
     total = jnp.zeros(())
     for site in trace.values():
         if site["type"] == "sample" and keep(site):
             log_prob = site["fn"].log_prob(site["value"])
+            if observed_fn is not None and site["is_observed"]:
+                log_prob = observed_fn(site, log_prob)
             if site["scale"] is not None:
                 log_prob = site["scale"] * log_prob
             total = total + jnp.sum(log_prob)
@@ -71,6 +75,7 @@ def silo_log_density(
     values: dict,
     args: tuple = (),
     kwargs: dict | None = None,
+    observed_fn: Callable | None = None,
 ) -> jax.Array:
     """
     One silo's term :math:`\\log p_\\theta(y_j, z_{L_j} \\mid z_G)`.
@@ -82,13 +87,16 @@ def silo_log_density(
         ``None`` when the silo has no padding.
     :param dict values: constrained values of every latent site (global and local)
         and of the model's param sites.
+    :param callable observed_fn: optional ``(site, log_prob) -> value`` applied to the
+        elementwise log-likelihood of each observed site before summing (a robust
+        loss in place of the log-likelihood, for generalized VI).
     :return: a scalar.
     """
     masked = handlers.substitute(model, data=values)
     if mask is not None:
         masked = silo_mask(masked, plate, mask)
     trace = handlers.trace(masked).get_trace(*args, **(kwargs or {}), **arrays)
-    return _sum_log_probs(trace, lambda site: _in_plate(site, plate))
+    return _sum_log_probs(trace, lambda site: _in_plate(site, plate), observed_fn)
 
 
 def server_log_density(

@@ -3,6 +3,7 @@
 """Federated inference algorithms, each a factory of pure functions plus a wrapper."""
 
 from numpyro_fed.algorithms._runner import RunResult
+from numpyro_fed.algorithms.fedgvi import FedGVI
 from numpyro_fed.algorithms.pvi_wrapper import (
     PVI,
     InvalidCavity,
@@ -42,6 +43,7 @@ from numpyro_fed.algorithms.vertical import (
 )
 
 __all__ = [
+    "FedGVI",
     "CommStats",
     "DSGLD",
     "FSGLD",

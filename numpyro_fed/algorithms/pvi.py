@@ -104,12 +104,15 @@ class PVIServerState(NamedTuple):
 class PVIServerMessage(NamedTuple):
     """Server -> silo: the current posterior and model parameters.
 
-    - **q** - :math:`\\eta_q`.
+    - **q** - :math:`\\eta_q` (Fed-GVI: the server's GVI posterior :math:`q_s`).
     - **theta** - unconstrained model parameters.
+    - **aggregate** - Fed-GVI only: :math:`\\sum_k \\eta_k`, the silos' factors
+      summed (never an individual one); ``None`` for PVI.
     """
 
     q: GaussianNat
     theta: dict
+    aggregate: GaussianNat | None = None
 
 
 class PVISiloMessage(NamedTuple):
@@ -161,6 +164,8 @@ class PVIFunctions(NamedTuple):
       ``None``.
     - **to_guide** / **from_guide** - conversions between :math:`\\eta_q` and the
       guide's constrained global parameters.
+    - **message_of** - ``(q, prior, theta) -> PVIServerMessage``: what the server
+      sends when its authoritative natural parameters are ``q``.
     """
 
     init_silo: Callable
@@ -171,6 +176,7 @@ class PVIFunctions(NamedTuple):
     prior_of: Callable | None
     to_guide: Callable
     from_guide: Callable
+    message_of: Callable
 
 
 def apply_update(q: GaussianNat, delta: GaussianNat, max_halvings: int = 30):
@@ -224,6 +230,10 @@ def pvi(
     stl: bool = True,
     local_solver: str = "adam",
     padded: bool = True,
+    observed_fn: Callable | None = None,
+    cavity_of: Callable | None = None,
+    message_of: Callable | None = None,
+    divergence: Callable | None = None,
 ) -> PVIFunctions:
     """
     Build PVI's pure functions.
@@ -246,6 +256,13 @@ def pvi(
         iteration, eq. 10, with expectations at 2d sigma points: exact for conjugate
         Gaussian likelihoods; models without local latents only).
     :param bool padded: some silos carry padded units that must be masked out.
+    :param callable observed_fn: a robust loss applied to each observation's
+        log-likelihood (see :func:`~numpyro_fed.densities.silo_log_density`).
+    :param callable cavity_of: ``(message, factor) -> cavity``; PVI's is
+        :math:`q / t_m`.
+    :param callable message_of: ``(q, prior, theta) -> message``; PVI's sends ``q``.
+    :param callable divergence: ``(q, prior) -> D(q || prior)`` for the server's
+        term; PVI's is the KL divergence.
     :rtype: PVIFunctions
     """
     plate = guide.roles.silo_plate
@@ -288,7 +305,14 @@ def pvi(
                 terms = jnp.where(data.mask, terms, 0.0)
             log_q = jnp.sum(terms)
         mask = data.mask if padded else None
-        log_p = silo_log_density(model, plate, data.arrays, mask, {**values, **theta})
+        log_p = silo_log_density(
+            model,
+            plate,
+            data.arrays,
+            mask,
+            {**values, **theta},
+            observed_fn=observed_fn,
+        )
         return log_p - log_q, z_g
 
     def prior_term(glob_u, eta_l_u, theta_u, key, data):
@@ -310,7 +334,14 @@ def pvi(
                 log_det
             )
         mask = data.mask if padded else None
-        return silo_log_density(model, plate, data.arrays, mask, {**values, **theta})
+        return silo_log_density(
+            model,
+            plate,
+            data.arrays,
+            mask,
+            {**values, **theta},
+            observed_fn=observed_fn,
+        )
 
     # ------------------------------------------------------ local free energy
     def make_step(is_prior: bool):
@@ -398,7 +429,7 @@ def pvi(
         fit = natural_fit if local_solver == "natural" else adam_fit
 
         def step(message: PVIServerMessage, state: PVISiloState, data: SiloData):
-            cavity = message.q.minus(state.factor)
+            cavity = cavity_of(message, state.factor)
             # t_0's cavity (the silo factors alone) may be improper; its tilted
             # distribution, with the prior in it, is not.
             valid = jnp.array(True) if is_prior else is_valid(cavity)
@@ -458,7 +489,7 @@ def pvi(
 
     def server_elbo(q: GaussianNat, theta_u: dict, key: jax.Array):
         if prior_u is not None:
-            return jax.value_and_grad(lambda t: -kl(q, prior_u(t)))(theta_u)
+            return jax.value_and_grad(lambda t: -divergence(q, prior_u(t)))(theta_u)
         glob_u = _unconstrain(glob_c, to_guide(q))
         keys = jax.random.split(key, max(num_particles, 1))
 
@@ -468,6 +499,12 @@ def pvi(
 
         return jax.value_and_grad(value)(theta_u)
 
+    if cavity_of is None:
+        cavity_of = lambda message, factor: message.q.minus(factor)  # noqa: E731
+    if message_of is None:
+        message_of = lambda q, prior, theta: PVIServerMessage(q, theta)  # noqa: E731
+    if divergence is None:
+        divergence = kl
     silo_step = make_step(False)
     prior_step = None if prior_of is not None else make_step(True)
     return PVIFunctions(
@@ -479,4 +516,5 @@ def pvi(
         prior_u,
         to_guide,
         from_guide,
+        message_of,
     )

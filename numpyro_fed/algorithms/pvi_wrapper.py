@@ -368,6 +368,7 @@ class PVI:
             stl=self.stl,
             local_solver=self.local_solver,
             padded=min(data.sizes) < data.padded_size,
+            **self._pvi_options(prior_of),
         )
         if self.schedule == "synchronous":
             round_fn = jax.jit(partial(synchronous_round, fns, self.hyper_optim))
@@ -375,6 +376,12 @@ class PVI:
             round_fn = jax.jit(partial(event_round, fns, self.hyper_optim))
         self._built[layout] = (fns, round_fn, template)
         return self._built[layout]
+
+    def _pvi_options(self, prior_of: Callable | None) -> dict:
+        """Extra arguments of :func:`~numpyro_fed.algorithms.pvi.pvi` (Fed-GVI's
+        loss, cavity and divergence); none for PVI."""
+        del prior_of
+        return {}
 
     def _check(self, state: PVIState, data: Any) -> None:
         num_silos = state.silos.factor.h.shape[0]

@@ -42,7 +42,7 @@ def _prior_update(fns: PVIFunctions, server: PVIServerState):
     """The server refines t_0 (non-Gaussian prior) against the current q."""
     if fns.prior_step is None:
         return server, jnp.ones((), server.q.h.dtype)
-    message = PVIServerMessage(server.q, server.theta)
+    message = fns.message_of(server.q, server.prior, server.theta)
     reply, prior_silo = fns.prior_step(message, server.prior_silo, None)
     ok = _all_finite(reply.delta)
     q, scale = apply_update(server.q, _where(ok, reply.delta, _zeros(reply.delta)))
@@ -59,13 +59,13 @@ def _server_finish(
     fns: PVIFunctions,
     hyper_optim: optax.GradientTransformation,
     server: PVIServerState,
-    q_start,
+    message: PVIServerMessage,
     grad_theta: dict,
     key: jax.Array,
 ):
     """The server's own ELBO term at the round's starting q and the theta step
     (Bui et al., eq. 5: silos' summed gradients plus the server's prior term)."""
-    server_value, server_grad = fns.server_elbo(q_start, server.theta, key)
+    server_value, server_grad = fns.server_elbo(message.q, server.theta, key)
     if not server.theta:
         return server, server_value
     grads = jax.tree.map(jnp.add, grad_theta, server_grad)
@@ -101,8 +101,7 @@ def synchronous_round(
 ):
     """Every participating silo updates from the same q; the server adds the summed
     update, shrinking it until q stays valid."""
-    q_start = server.q
-    message = PVIServerMessage(server.q, server.theta)
+    message = fns.message_of(server.q, server.prior, server.theta)
     replies, new_silos = jax.vmap(fns.silo_step, in_axes=(None, 0, 0))(
         message, silos, data
     )
@@ -136,7 +135,7 @@ def synchronous_round(
     )
     server = server._replace(q=q)
     server, server_value = _server_finish(
-        fns, hyper_optim, server, q_start, grad_theta, key
+        fns, hyper_optim, server, message, grad_theta, key
     )
     count = jnp.maximum(jnp.sum(used), 1)
     elbo = server_value + used.shape[0] / count * jnp.sum(
@@ -169,7 +168,7 @@ def event_round(
     server applies it to the current q. ``server.stale`` holds the recent versions.
     """
     server, prior_scale = _prior_update(fns, server)
-    q_start = server.q
+    start = fns.message_of(server.q, server.prior, server.theta)
     stale = server.stale
     if stale is None:
         stale = jax.tree.map(lambda x: x[None], server.q)
@@ -181,9 +180,8 @@ def event_round(
         read = jax.tree.map(lambda buf: buf[jnp.minimum(lag, buf.shape[0] - 1)], stale)
         silo = jax.tree.map(lambda x: x[j], silos)
         silo_data = jax.tree.map(lambda x: x[j], data)
-        reply, new = fns.silo_step(
-            PVIServerMessage(read, server.theta), silo, silo_data
-        )
+        message = fns.message_of(read, server.prior, server.theta)
+        reply, new = fns.silo_step(message, silo, silo_data)
         finite = _all_finite((reply.delta, reply.elbo, reply.grad_theta))
         used = participating[j] & finite & reply.valid_cavity
         q, scale = apply_update(q, _where(used, reply.delta, _zeros(reply.delta)))
@@ -209,7 +207,7 @@ def event_round(
     server = server._replace(q=q, stale=stale if server.stale is not None else None)
     grad_theta = jax.tree.map(lambda g: jnp.sum(g, 0), grads)
     server, server_value = _server_finish(
-        fns, hyper_optim, server, q_start, grad_theta, key
+        fns, hyper_optim, server, start, grad_theta, key
     )
     count = jnp.maximum(jnp.sum(used), 1)
     elbo = server_value + used.shape[0] / count * jnp.sum(elbos)
