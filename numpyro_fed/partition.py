@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from numpyro import handlers
-from numpyro.distributions import biject_to
+from numpyro.distributions import biject_to, constraints
 from numpyro.infer.inspect import get_model_relations
 
 from numpyro_fed.handlers import federate, silo_plate_name
@@ -258,6 +258,6 @@ def site_specs(
     params = {}
     for name in roles.param_sites:
         site = trace[name]
-        constraint = site["kwargs"].get("constraint")
+        constraint = site["kwargs"].get("constraint") or constraints.real
         params[name] = (np.asarray(site["value"]), constraint)
     return specs, params

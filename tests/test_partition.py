@@ -2,6 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Roles from one trace, and clear errors for models federated learning cannot take."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import numpyro
@@ -140,3 +141,22 @@ def test_federated_model_is_still_an_ordinary_model():
     a, _ = log_density(m.hierarchical, (), arrays, params)
     b, _ = log_density(nf.federate(m.hierarchical, silos="group"), (), arrays, params)
     np.testing.assert_array_equal(a, b)
+
+
+def test_param_without_constraint_is_real():
+    """A numpyro.param with no constraint argument is unconstrained (NumPyro's
+    default), not an error."""
+    def model(y):
+        shift = numpyro.param("shift", 0.5)
+        mu = numpyro.sample("mu", dist.Normal(shift, 1.0))
+        with numpyro.plate("data", y.shape[0]):
+            numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    fed = nf.federate(model, silos="data")
+    data = nf.FederatedData.from_groups(jnp.arange(4) % 2, y=jnp.ones(4))
+    guide = nf.AutoMeanField(fed)
+    guide.setup(data)
+    assert guide.theta_constraints()["shift"] is dist.constraints.real
+    svi = nf.SFVI(fed, guide, optax.adam(0.1))
+    result = svi.run(jax.random.PRNGKey(0), 3, data, progress_bar=False)
+    assert "shift" in result.params.theta
