@@ -219,15 +219,23 @@ def sfvi_avg(
 
     def _barycenter(eta_g_u, weights):
         eta = jax.vmap(lambda e: _constrain(global_c, e))(eta_g_u)
+        # Parameters other than the Gaussian's (a shared encoder's weights) are
+        # averaged in unconstrained space, like theta.
+        others = {
+            k: weighted_mean(v, weights)
+            for k, v in eta_g_u.items()
+            if k not in ("loc", "scale", "tril")
+        }
         if "tril" not in eta:
             (loc, scale), _ = w2_barycenter_diag(eta["loc"], eta["scale"], weights)
-            return _unconstrain(global_c, {"loc": loc, "scale": scale})
+            return {**others, **_unconstrain(global_c, {"loc": loc, "scale": scale})}
         covs = jax.vmap(lambda s, t: scale_tril_to_cov(s, _unit_tril(t)))(
             eta["scale"], eta["tril"]
         )
         (loc, cov), _ = w2_barycenter(eta["loc"], covs, weights)
         scale, tril = cov_to_scale_tril(cov)
-        return _unconstrain(global_c, {"loc": loc, "scale": scale, "tril": tril})
+        gaussian = _unconstrain(global_c, {"loc": loc, "scale": scale, "tril": tril})
+        return {**others, **gaussian}
 
     def server_step(
         state: SFVIAvgServerState, replies: SFVIAvgSiloMessage, key, participating=None

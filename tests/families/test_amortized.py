@@ -244,3 +244,17 @@ def test_bad_input():
         nf.SFVI(fed, AutoAmortized(fed, features=features), optax.adam(0.1)).init(
             jax.random.key(0), data
         )
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "private"])
+def test_sfvi_avg_and_posterior_draws_with_an_encoder(shared):
+    """SFVI-Avg averages a shared encoder like theta (the barycenter covers only the
+    Gaussian's parameters); posterior draws come back in the pooled layout."""
+    fed, guide, data = setup(shared=shared)
+    avg = nf.SFVIAvg(fed, guide, optax.adam(0.05), local_steps=3)
+    result = avg.run(jax.random.key(0), 2, data, progress_bar=False)
+    if shared:
+        assert "encoder" in result.params.eta_global
+    draws = avg.sample_posterior(jax.random.key(1), result.params, data, num_samples=5)
+    assert draws["z"].shape == (5, data.num_units, 1)
+    assert np.all(np.isfinite(np.asarray(draws["z"])))
