@@ -25,9 +25,9 @@ Methods, all with Adam (``--lr``) and the same number of local steps per round:
   set, averaged over silos;
 - **FedAvg-VI**: ``nf.SFVIAvg``: each round every silo starts from the server's
   ``(loc, scale)``, takes the same local steps on its ELBO with its likelihood scaled
-  by ``N / N_j``, and the server replaces q by the size-weighted 2-Wasserstein
-  barycenter of the silos' mean-field Gaussians (for diagonal Gaussians: the weighted
-  average of the means and of the standard deviations).
+  by ``N / N_j``, and the server replaces q by the equally weighted (``SFVIAvg``'s
+  default) 2-Wasserstein barycenter of the silos' mean-field Gaussians (for diagonal
+  Gaussians: the average of the means and of the standard deviations).
 
 q starts from the guide (``init="guide"``: means uniform in ``[-r, r]``, small
 scales), which breaks the hidden units' symmetry. The paper's silos run one epoch of

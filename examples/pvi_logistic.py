@@ -13,7 +13,9 @@ silo is one class). Compared:
 - PVI with the sequential, synchronous (damping :math:`\\rho = 1/J`) and
   asynchronous (staleness up to 2 updates) schedules, mean-field Gaussian q, Adam
   local solves warm-started from the received q;
-- global VI: NumPyro ``SVI`` with the same mean-field family on the pooled data;
+- global VI: NumPyro ``SVI`` with the same mean-field family on the pooled data,
+  run to convergence (``--gvi-steps``): the optimum PVI's fixed point should equal
+  (the paper's Property 3), so the table also reports each PVI run's distance to it;
 - NUTS on the pooled data (the reference).
 
 The script prints ``nf.compare`` summaries against NUTS, the spec's T9 sanity checks
@@ -139,9 +141,10 @@ def run_pvi(args, schedule, data, X_te, y_te):
 
 
 def run_global_vi(args, data):
-    """NumPyro SVI on the pooled data, same family, same optimizer and as many steps
-    as one silo takes in the whole PVI run; the last ``--average`` rounds' worth of
-    iterates are averaged in natural parameters, as for PVI."""
+    """NumPyro SVI on the pooled data with the same family and optimizer: the optimum
+    PVI's fixed point should reach (Property 3), so it gets ``--gvi-steps`` steps
+    (many more than a silo's share of a PVI run), and its last quarter of iterates is
+    averaged in natural parameters, as PVI's last rounds are."""
     fed = nf.federate(logistic, silos="data")
     svi = SVI(
         fed,
@@ -157,10 +160,9 @@ def run_global_vi(args, data):
         params = svi.get_params(state)
         return state, (params["_fed_global_loc"], params["_fed_global_scale"])
 
-    steps = args.rounds * args.local_steps
-    _, (locs, scales) = jax.jit(lambda s: jax.lax.scan(step, s, length=steps))(state)
-    last = args.average * args.local_steps
-    return averaged(from_moments(locs, scales**2), last)
+    scan = jax.jit(lambda s: jax.lax.scan(step, s, length=args.gvi_steps))
+    _, (locs, scales) = scan(state)
+    return averaged(from_moments(locs, scales**2), args.gvi_steps // 4)
 
 
 def main(args):
@@ -250,20 +252,20 @@ def main(args):
     print("\nTest metrics and T9 checks against NUTS (q's exact moments)")
     print(
         f"{'split':>10} {'method':>10} {'acc':>6} {'test lpd':>9} {'max|dmean|/sd':>14} "
-        f"{'min sd ratio':>13} {'max sd ratio':>13} {'T9':>5} {'time s':>7} "
+        f"{'min sd ratio':>13} {'max sd ratio':>13} {'T9 m/sd':>7} {'time s':>7} "
         f"{'vs GVI dmean/sd':>16} {'vs GVI |dlog sd|':>17}"
     )
     acc, lpd = perf["NUTS"]
     print(f"{'pooled':>10} {'NUTS':>10} {acc:6.3f} {lpd:9.4f}")
     for split, name, acc, lpd, z, rmin, rmax, secs, gz, gs in rows:
-        ok = "pass" if z < 0.2 and rmax <= 1.05 else "FAIL"
+        ok = ("ok" if z < 0.2 else "no") + "/" + ("ok" if rmax <= 1.05 else "no")
         print(
             f"{split:>10} {name:>10} {acc:6.3f} {lpd:9.4f} {z:14.3f} {rmin:13.3f} "
-            f"{rmax:13.3f} {ok:>5} {secs:7.1f} {gz:16.3f} {gs:17.3f}"
+            f"{rmax:13.3f} {ok:>7} {secs:7.1f} {gz:16.3f} {gs:17.3f}"
         )
     print(
-        "T9 (spec): means within 0.2 NUTS posterior sd; mean-field sd <= 1.05 x NUTS "
-        "sd. Ratio columns are sd_q / sd_NUTS over the 31 coefficients. vs GVI: the "
+        "T9 (spec): m: means within 0.2 NUTS posterior sd; sd: mean-field sd <= 1.05 "
+        "x NUTS sd. Ratio columns are sd_q / sd_NUTS over the 31 coefficients. vs GVI: the "
         "largest |mean_q - mean_GVI| / sd_NUTS and |log(sd_q / sd_GVI)| (Property 3: "
         "PVI's fixed point is global VI's optimum in the same family)."
     )
@@ -301,11 +303,12 @@ def main(args):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--num-silos", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=80)
     parser.add_argument("--local-steps", type=int, default=50)
     parser.add_argument("--lr", type=float, default=0.01)
     parser.add_argument("--num-particles", type=int, default=4)
-    parser.add_argument("--average", type=int, default=10)
+    parser.add_argument("--average", type=int, default=20)
+    parser.add_argument("--gvi-steps", type=int, default=10000)
     parser.add_argument("--nuts-warmup", type=int, default=500)
     parser.add_argument("--nuts-samples", type=int, default=1000)
     parser.add_argument("--nuts-chains", type=int, default=4)
