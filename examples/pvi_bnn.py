@@ -18,7 +18,8 @@ Methods, all with Adam (``--lr``) and the same number of local steps per round:
 - **PVI-sync**: synchronous PVI, damping :math:`\\rho = 1/J` (the default that keeps q
   a convex combination of valid Gaussians);
 - **PVI-async**: asynchronous PVI, each silo's q up to 2 updates stale, damping
-  ``--async-damping`` (0.5: undamped, the non-IID run hits an improper cavity);
+  ``--async-damping`` (default 0.5; on the non-IID split it hits an improper cavity,
+  ``nf.InvalidCavity``, and the script then evaluates the last valid q, marked ``*``);
 - **global VI**: SVI on the pooled data (``nf.SFVI`` with one silo), as many full-batch
   steps as a silo takes in the whole PVI run;
 - **local VI**: each silo alone (``nf.fit_independent``), evaluated on the whole test
