@@ -436,7 +436,13 @@ class PVI:
             )
         optim_state = self.hyper_optim.init(theta)
         server = PVIServerState(q0, prior, theta, optim_state, prior_silo, stale)
-        return PVIState(server, silos, rng_key)
+        # Strong dtypes: weak-typed leaves would make the jitted round recompile
+        # after the first rounds.
+        state = jax.tree.map(
+            lambda x: jnp.asarray(x, x.dtype) if hasattr(x, "dtype") else x,
+            PVIState(server, silos, rng_key),
+        )
+        return state
 
     def _round_inputs(self, key: jax.Array, num_silos: int):
         part_key, order_key, lag_key, server_key = jax.random.split(key, 4)

@@ -304,3 +304,13 @@ def test_from_moments_round_trip():
     m, c = to_moments(from_moments(mean, cov))
     np.testing.assert_allclose(m, mean, rtol=1e-12)
     np.testing.assert_allclose(c, cov, rtol=1e-12)
+
+
+def test_rounds_do_not_recompile():
+    """init returns strongly typed leaves: the jitted round compiles once."""
+    pvi = nf.PVI(FED, nf.AutoMeanField(FED), optax.adam(1e-2), local_steps=1)
+    state = pvi.init(jax.random.key(0), DATA)
+    _, round_fn, _ = pvi._build(DATA)
+    for _ in range(3):
+        state, _ = pvi.update(state, DATA)
+    assert round_fn._cache_size() == 1
