@@ -318,12 +318,9 @@ def pvi(
     def prior_term(glob_u, eta_l_u, theta_u, key, data):
         """One draw of log p(u) = log p(T(u)) + log|det J(u)|: t_0's 'likelihood'."""
         del eta_l_u, data
-        theta = _constrain(theta_c, theta_u)
         eta_g = _constrain(glob_c, glob_u)
         z_g = guide.sample_global(eta_g, guide.global_noise(key))
-        values, log_det = guide.constrain_global(z_g)
-        log_p = server_log_density(model, plate, template, {**values, **theta})
-        return log_p + log_det, z_g
+        return log_lik_at(True, z_g, theta_u, None), z_g
 
     def log_lik_at(is_prior: bool, u, theta_u, data):
         """The (prior or silo) log-likelihood at a fixed global point u."""
