@@ -227,7 +227,7 @@ class FedGVI(PVI):
         >>> data = nf.FederatedData.from_groups(jnp.arange(40) % 4, x=x, y=1.0 * (x > 0))
         >>> gvi = nf.FedGVI(fed, loss=("gce", 0.5), divergence=("renyi", 0.5),
         ...                 local_steps=20, schedule="sequential")
-        >>> result = gvi.run(jax.random.key(0), 3, data, progress_bar=False)
+        >>> result = gvi.run(jax.random.key(0), 1, data, progress_bar=False)
         >>> bool(result.params.eta_global["loc"][0] > 0)
         True
     """

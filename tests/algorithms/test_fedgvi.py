@@ -88,7 +88,7 @@ def test_message_audit_only_aggregates_reach_a_silo():
     gvi = nf.FedGVI(
         FED, nf.AutoMeanField(FED), local_steps=3, divergence=("renyi", 0.5)
     )
-    result = gvi.run(jax.random.key(0), 3, DATA, progress_bar=False)
+    result = gvi.run(jax.random.key(0), 1, DATA, progress_bar=False)
     fns = gvi._build(DATA)[0]
     server = result.state.server
     message = fns.message_of(server.q, server.prior, server.theta)
