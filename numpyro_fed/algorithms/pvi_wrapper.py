@@ -444,7 +444,10 @@ class PVI:
         )
         return state
 
-    def _round_inputs(self, key: jax.Array, num_silos: int):
+    @partial(jax.jit, static_argnums=(0, 2))
+    def _round_inputs(self, rng_key: jax.Array, num_silos: int):
+        # One compiled call per round instead of a string of small eager ops.
+        rng_key, key = jax.random.split(rng_key)
         part_key, order_key, lag_key, server_key = jax.random.split(key, 4)
         participating = jnp.ones((num_silos,), bool)
         if self.participation < 1:
@@ -455,7 +458,7 @@ class PVI:
         if self.order == "random":
             order = jax.random.permutation(order_key, num_silos)
         staleness = jax.random.randint(lag_key, (num_silos,), 0, self.max_staleness + 1)
-        return participating, order, staleness, server_key
+        return rng_key, participating, order, staleness, server_key
 
     def update(
         self, state: PVIState, data: Any, participating: jax.Array | None = None
@@ -474,9 +477,8 @@ class PVI:
         """
         self._check(state, data)
         _, round_fn, _ = self._build(data)
-        rng_key, round_key = jax.random.split(state.rng_key)
-        chosen, order, staleness, server_key = self._round_inputs(
-            round_key, data.num_silos
+        rng_key, chosen, order, staleness, server_key = self._round_inputs(
+            state.rng_key, data.num_silos
         )
         if participating is None:
             participating = chosen
