@@ -26,9 +26,7 @@ def sample_structured(
 
     num_silos = len(jax.tree.leaves(params.eta_local)[0]) if params.eta_local else 0
     if params.eta_local:
-        # per-unit arrays: the local means, or an amortized family's encoder inputs
-        per_unit = params.eta_local.get("loc", params.eta_local.get("inputs"))
-        units = per_unit.shape[1]
+        units = guide.num_units(jax.tree.map(lambda x: x[0], params.eta_local))
         ids = jnp.broadcast_to(jnp.arange(units), (num_silos, units))
         if data is not None:
             ids = data.unit_ids

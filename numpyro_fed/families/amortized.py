@@ -20,23 +20,18 @@ a silo's local posterior leaves it, which is the paper's privacy rule, and SFVI-
 runs unchanged).
 """
 
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpyro
-import numpyro.distributions as dist
 from numpyro.distributions import constraints
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed.families.structured import (
-    GLOBAL_PREFIX,
-    LOCAL_PREFIX,
     AutoStructured,
     _gaussian_log_density,
 )
-from numpyro_fed.partition import analyze_call
 
 __all__ = ["AutoAmortized"]
 
@@ -250,48 +245,6 @@ class AutoAmortized(AutoStructured):
         loc, scale = self._loc_scale(eta_g, eta_l)
         return _gaussian_log_density(z_l, loc, scale, None)
 
-    def draw(self, eta_g, eta_l, key, unit_ids=None) -> tuple[dict, jax.Array]:
-        """One joint draw of every latent site and its :math:`\\log q` (constrained)."""
-        if unit_ids is None:
-            unit_ids = jnp.arange(eta_l["inputs"].shape[0])
-        return super().draw(eta_g, eta_l, key, unit_ids)
-
-    # ------------------------------------------------------------ NumPyro guide
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        if self.roles is None:
-            roles = analyze_call(self.model, args, kwargs)
-            self._setup(roles, {}, args, kwargs)
-        glob_c, loc_c = self.param_constraints()
-        # As in AutoStructured: the noise key first, so federated runs reproduce it.
-        key = numpyro.prng_key()
-        cache: dict = {}
-
-        def lazy(init_fn, field):
-            def init(rng_key):
-                if init_fn not in cache:
-                    cache[init_fn] = init_fn(rng_key, {}, args, kwargs)
-                return cache[init_fn][field]
-
-            return init
-
-        eta_g = {
-            k: numpyro.param(GLOBAL_PREFIX + k, lazy(self.init_global, k), constraint=c)
-            for k, c in glob_c.items()
-        }
-        eta_l = {
-            k: numpyro.param(LOCAL_PREFIX + k, lazy(self.init_local, k), constraint=c)
-            for k, c in loc_c.items()
-        }
-        values, log_q = self.draw(eta_g, eta_l, key, None)
-        numpyro.sample(
-            "_fed_latent",
-            dist.Delta(jnp.zeros(()), log_density=log_q),
-            infer={"is_auxiliary": True},
-        )
-        for name, spec in self.global_specs.items():
-            numpyro.sample(name, dist.Delta(values[name], event_dim=spec.event_dim))
-        units = eta_l["inputs"].shape[0]
-        with numpyro.plate(self.roles.silo_plate, units, dim=self.roles.silo_dim):
-            for name, spec in self.local_specs.items():
-                numpyro.sample(name, dist.Delta(values[name], event_dim=spec.event_dim))
-        return values
+    def num_units(self, eta_l: dict) -> int:
+        """Units held by one silo: its stored encoder inputs."""
+        return eta_l["inputs"].shape[0]

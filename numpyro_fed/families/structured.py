@@ -241,6 +241,10 @@ class AutoStructured:
             eta["silo_tril"] = jnp.zeros((units * n, units * n), loc.dtype)
         return eta
 
+    def num_units(self, eta_l: dict) -> int:
+        """Units of the silo plate held by one silo's local parameters ``eta_l``."""
+        return eta_l["loc"].shape[0]
+
     # ------------------------------------------------------------ vector layout
     def _pack_global(self, values: dict) -> jax.Array:
         flat = [
@@ -358,8 +362,17 @@ class AutoStructured:
         # so that federated runs can reproduce it (see numpyro_fed.algorithms.sfvi).
         key = numpyro.prng_key()
 
+        cache: dict = {}
+
         def lazy(init_fn, field):
-            return lambda rng_key: init_fn(rng_key, {}, args, kwargs)[field]
+            # One init call per part (global, local), shared by its fields, so that
+            # fields drawn together (an encoder and its inputs) stay consistent.
+            def init(rng_key):
+                if init_fn not in cache:
+                    cache[init_fn] = init_fn(rng_key, {}, args, kwargs)
+                return cache[init_fn][field]
+
+            return init
 
         eta_g = {
             k: numpyro.param(GLOBAL_PREFIX + k, lazy(self.init_global, k), constraint=c)
@@ -378,7 +391,7 @@ class AutoStructured:
         for name, spec in self.global_specs.items():
             numpyro.sample(name, dist.Delta(values[name], event_dim=spec.event_dim))
         if self.local_specs:
-            units = eta_l["loc"].shape[0]
+            units = self.num_units(eta_l)
             with numpyro.plate(self.roles.silo_plate, units, dim=self.roles.silo_dim):
                 for name, spec in self.local_specs.items():
                     delta = dist.Delta(values[name], event_dim=spec.event_dim)
@@ -391,7 +404,7 @@ class AutoStructured:
         z_g, values, log_q = self.draw_global(eta_g, key)
         if eta_l:
             if unit_ids is None:
-                unit_ids = jnp.arange(eta_l["loc"].shape[0])
+                unit_ids = jnp.arange(self.num_units(eta_l))
             local_values, log_q_local = self.draw_local(
                 eta_g, eta_l, z_g, key, unit_ids
             )
