@@ -23,8 +23,8 @@ import json
 import os
 from pathlib import Path
 import platform
-import time
 
+from _timing import interleaved_medians  # benchmarks/ is on sys.path
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,23 +49,6 @@ def synthetic(num_rows, dim, seed=0):
     logits = X @ rng.normal(size=dim)
     y = (rng.uniform(size=num_rows) < 1 / (1 + np.exp(-logits))).astype(np.float32)
     return X.astype(np.float32), y
-
-
-def _interleaved(steps, states, repeats):
-    """Median time of each step, timing them alternately so that load on the machine
-    affects both alike."""
-    states = list(states)
-    for i, step in enumerate(steps):  # compile and warm up
-        states[i], out = step(states[i])
-        jax.block_until_ready((states[i], out))
-    times = [[] for _ in steps]
-    for _ in range(repeats):
-        for i, step in enumerate(steps):
-            start = time.perf_counter()
-            states[i], out = step(states[i])
-            jax.block_until_ready((states[i], out))
-            times[i].append(time.perf_counter() - start)
-    return [float(np.median(t)) for t in times]
 
 
 def bench(num_silos, local_steps, args):
@@ -103,7 +86,7 @@ def bench(num_silos, local_steps, args):
         state, losses = jax.lax.scan(body, state, length=local_steps)
         return state, losses[-1]
 
-    t_round, t_svi = _interleaved(
+    t_round, t_svi = interleaved_medians(
         [pvi_step, svi_steps], [pvi_state, svi_state], args.repeats
     )
     return {

@@ -18,8 +18,8 @@ import json
 import os
 from pathlib import Path
 import platform
-import time
 
+from _timing import interleaved_medians  # benchmarks/ is on sys.path
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,23 +49,6 @@ def synthetic(num_children, seed=0):
     return X.astype(np.float32), y
 
 
-def _interleaved(steps, states, repeats):
-    """Median time of each step, timing them alternately so that load on the machine
-    affects both alike."""
-    states = list(states)
-    for i, step in enumerate(steps):  # compile and warm up
-        states[i], loss = step(states[i])
-        jax.block_until_ready(loss)
-    times = [[] for _ in steps]
-    for _ in range(repeats):
-        for i, step in enumerate(steps):
-            start = time.perf_counter()
-            states[i], loss = step(states[i])
-            jax.block_until_ready((states[i], loss))
-            times[i].append(time.perf_counter() - start)
-    return [float(np.median(t)) for t in times]
-
-
 def bench(num_silos, units_per_silo, repeats):
     X, y = synthetic(num_silos * units_per_silo)
     groups = np.repeat(np.arange(num_silos), units_per_silo)
@@ -80,7 +63,7 @@ def bench(num_silos, units_per_silo, repeats):
     svi = SVI(fed, nf.AutoStructured(fed), optax.adam(1e-2), Trace_ELBO())
     svi_state = svi.init(jax.random.key(0), **pooled)
     svi_step = jax.jit(lambda s: svi.update(s, **pooled))
-    t_round, t_svi = _interleaved(
+    t_round, t_svi = interleaved_medians(
         [sfvi_step, svi_step], [sfvi_state, svi_state], repeats
     )
     return {

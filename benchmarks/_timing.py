@@ -1,0 +1,26 @@
+# Copyright Contributors to the numpyro-fed project.
+# SPDX-License-Identifier: Apache-2.0
+"""Timing shared by the round benchmarks."""
+
+import time
+
+import jax
+import numpy as np
+
+
+def interleaved_medians(steps, states, repeats):
+    """Median time of each ``step(state) -> (state, out)``, after one compile-and-warm-up
+    call each; the steps are timed alternately so that load on the machine affects all
+    of them alike."""
+    states = list(states)
+    for i, step in enumerate(steps):
+        states[i], out = step(states[i])
+        jax.block_until_ready((states[i], out))
+    times = [[] for _ in steps]
+    for _ in range(repeats):
+        for i, step in enumerate(steps):
+            start = time.perf_counter()
+            states[i], out = step(states[i])
+            jax.block_until_ready((states[i], out))
+            times[i].append(time.perf_counter() - start)
+    return [float(np.median(t)) for t in times]
