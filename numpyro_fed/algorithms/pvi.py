@@ -286,6 +286,13 @@ def pvi(
         return jnp.sum(jnp.log(eta_g["scale"])) + 0.5 * dim * _LOG_2PI_E
 
     # ------------------------------------------------------------ likelihoods
+    def silo_lik(values: dict, data: SiloData) -> jax.Array:
+        """log p(y_m, z_m | u, theta) (or its robust-loss version) at site values."""
+        mask = data.mask if padded else None
+        return silo_log_density(
+            model, plate, data.arrays, mask, values, observed_fn=observed_fn
+        )
+
     def silo_term(glob_u, eta_l_u, theta_u, key, data: SiloData):
         """One draw of log p(y_m, z_m | u) - log q(z_m | u) and the global draw."""
         theta = _constrain(theta_c, theta_u)
@@ -304,16 +311,7 @@ def pvi(
             if padded:
                 terms = jnp.where(data.mask, terms, 0.0)
             log_q = jnp.sum(terms)
-        mask = data.mask if padded else None
-        log_p = silo_log_density(
-            model,
-            plate,
-            data.arrays,
-            mask,
-            {**values, **theta},
-            observed_fn=observed_fn,
-        )
-        return log_p - log_q, z_g
+        return silo_lik({**values, **theta}, data) - log_q, z_g
 
     def prior_term(glob_u, eta_l_u, theta_u, key, data):
         """One draw of log p(u) = log p(T(u)) + log|det J(u)|: t_0's 'likelihood'."""
@@ -330,15 +328,7 @@ def pvi(
             return server_log_density(model, plate, template, {**values, **theta}) + (
                 log_det
             )
-        mask = data.mask if padded else None
-        return silo_log_density(
-            model,
-            plate,
-            data.arrays,
-            mask,
-            {**values, **theta},
-            observed_fn=observed_fn,
-        )
+        return silo_lik({**values, **theta}, data)
 
     # ------------------------------------------------------ local free energy
     def make_step(is_prior: bool):
