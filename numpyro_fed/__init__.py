@@ -7,7 +7,7 @@ the data with :class:`FederatedData`, and run a federated algorithm such as
 :class:`SFVI` with the API of NumPyro's ``SVI``.
 """
 
-from numpyro_fed import expfam
+from numpyro_fed import expfam, sgld_diagnostics
 from numpyro_fed.algorithms import (
     DSGLD,
     FSGLD,
@@ -91,6 +91,7 @@ __all__ = [
     "server_log_density",
     "sfvi",
     "sfvi_avg",
+    "sgld_diagnostics",
     "silo_log_density",
     "silo_plate",
     "split_dirichlet",
