@@ -135,3 +135,63 @@ def test_newsgroups_options_and_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no message files"):
         newsgroups20(tmp_path / "empty")
+
+
+def test_heart_disease_csv(tmp_path):
+    from numpyro_fed.datasets import heart_disease
+
+    header = (
+        "Age,Sex,ChestPainType,RestingBP,Cholesterol,FastingBS,RestingECG,MaxHR,"
+        "ExerciseAngina,Oldpeak,ST_Slope,HeartDisease\n"
+    )
+    rows = (
+        "40,M,ATA,140,289,0,Normal,172,N,0,Up,0\n"
+        "49,F,NAP,160,180,0,Normal,156,N,1,Flat,1\n"
+        "37,M,ASY,130,283,1,ST,98,Y,-0.5,Down,0\n"
+        "54,F,TA,150,195,0,LVH,122,N,1.5,Flat,1\n"
+    )
+    path = tmp_path / "heart.csv"
+    path.write_text(header + rows)
+    data = heart_disease(path)
+    assert data.X.shape == (4, 20) and len(data.columns) == 20
+    np.testing.assert_array_equal(data.y, [0.0, 1.0, 0.0, 1.0])
+    # Numeric columns as given, in file order; one-hot columns hold one 1 per
+    # covariate and row.
+    col = {name: i for i, name in enumerate(data.columns)}
+    np.testing.assert_array_equal(data.X[:, col["Age"]], [40, 49, 37, 54])
+    np.testing.assert_array_equal(data.X[:, col["Oldpeak"]], [0, 1, -0.5, 1.5])
+    np.testing.assert_array_equal(data.X[:, col["FastingBS"]], [0, 0, 1, 0])
+    np.testing.assert_array_equal(data.X[:, col["Sex=F"]], [0, 1, 0, 1])
+    np.testing.assert_array_equal(data.X[:, col["ChestPainType=TA"]], [0, 0, 0, 1])
+    np.testing.assert_array_equal(data.X[:, col["RestingECG=ST"]], [0, 0, 1, 0])
+    np.testing.assert_array_equal(data.X[:, col["ST_Slope=Down"]], [0, 0, 1, 0])
+    for k in range(11):
+        block = data.X[:, data.covariate == k]
+        if not data.numeric[data.covariate == k].all():
+            np.testing.assert_array_equal(block.sum(1), np.ones(4))
+    assert data.numeric.sum() == 6 and sorted(set(data.covariate)) == list(range(11))
+    # Columns in another order give the same arrays.
+    names = header.strip().split(",")
+    order = names[::-1]
+    lines = [
+        dict(zip(names, r.split(","), strict=True)) for r in rows.strip().split("\n")
+    ]
+    shuffled = tmp_path / "shuffled.csv"
+    shuffled.write_text(
+        ",".join(order) + "\n" + "\n".join(",".join(r[k] for k in order) for r in lines)
+    )
+    np.testing.assert_array_equal(heart_disease(shuffled).X, data.X)
+    # Bad input names the line and the column.
+    bad = tmp_path / "bad.csv"
+    bad.write_text(header + rows.replace("NAP", "XYZ"))
+    with pytest.raises(ValueError, match="line 3: column 'ChestPainType'"):
+        heart_disease(bad)
+    bad.write_text(header + rows.replace("289", "n/a"))
+    with pytest.raises(ValueError, match="line 2: column 'Cholesterol'"):
+        heart_disease(bad)
+    bad.write_text(header + rows.replace("Up,0", "Up,2"))
+    with pytest.raises(ValueError, match="HeartDisease holds '2'"):
+        heart_disease(bad)
+    bad.write_text(header.replace("MaxHR,", "") + rows)
+    with pytest.raises(ValueError, match="missing \\['MaxHR'\\]"):
+        heart_disease(bad)
