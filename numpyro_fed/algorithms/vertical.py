@@ -1,54 +1,56 @@
 # Copyright Contributors to the numpyro-fed project.
 # SPDX-License-Identifier: Apache-2.0
-"""Vertical federated VI (Hassan et al. seed 003, Algorithms 1 and 2).
+"""Vertical federated VI (Hassan et al. seed 003, Algorithms 1 and 2):
+:class:`VerticalSFVI`, NumPyro's ``SVI`` API over the pure protocol of
+:mod:`numpyro_fed.algorithms.vertical_protocol`.
 
-Parties hold different columns of the same rows; the server holds the labels.
-Each round (Algorithm 1, augmented-variable model):
-
-1. party :math:`j` draws :math:`(\\theta_j, z_j)` from its own :math:`q` with noise it
-   keeps, and sends :math:`z_j` (:class:`AuxSample`: one number per row);
-2. the server evaluates :math:`\\mathcal L_0 = \\log p(y\\mid z,\\gamma) + \\log p(\\gamma)
-   - \\log q(\\gamma)`, returns :math:`\\partial\\mathcal L_0/\\partial z_j` to each
-   party (:class:`AuxGrad`) and updates :math:`q(\\gamma)`;
-3. party :math:`j` ascends :math:`\\langle \\mathrm{sg}(\\partial\\mathcal L_0/\\partial
-   z_j), z_j\\rangle + \\mathcal L_j` with the *same* noise (a fresh draw would pair
-   the server's gradient with another sample and bias the estimate), using its own
-   optimizer.
-
-Algorithm 2 (power likelihood) needs the labels at every party: the server
-broadcasts every :math:`z_k` and its own draw of :math:`\\gamma`
-(:class:`AuxBroadcast`), each party returns the gradients of its likelihood copy
-with respect to them (:class:`CrossGrads`), and the server sums
-:math:`\\sum_{k\\ne j}\\partial\\mathcal L_{0,k}/\\partial z_j` for party :math:`j`.
-
-The pure functions of :func:`vertical_sfvi` are driven by :class:`VerticalSFVI`
-under two runtimes: ``"simulate"`` (one jitted round, parties unrolled in it) and
-``"sequential"`` (each party's step jitted on its own and called in turn, with
-every message materialized and optionally recorded).
+Two runtimes drive the protocol's functions: ``"simulate"`` (one jitted round;
+parties whose blocks are equal up to names run as one vmapped call, the others one
+after another inside the round) and ``"sequential"`` (each party's step jitted on its
+own and called in turn, with every message materialized and optionally recorded).
 """
 
 from functools import partial
 from typing import Any, Callable, NamedTuple
+import warnings
+import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import numpyro
 from numpyro import handlers
-import numpyro.distributions as dist
-from numpyro.distributions import biject_to
-from numpyro.infer.util import log_density
 import optax
 
+from numpyro_fed.algorithms import vertical_reference
 from numpyro_fed.algorithms._runner import RunResult, run_loop
-from numpyro_fed.vertical.augment import AugmentedModel, VerticalModelError, z_name
+from numpyro_fed.algorithms.vertical_parties import (
+    PartyGroup,
+    as_layout,
+    find_groups,
+    rename,
+    run_parties,
+    signature,
+)
+from numpyro_fed.algorithms.vertical_protocol import (
+    AuxBroadcast,
+    AuxGrad,
+    AuxSample,
+    CrossGrads,
+    RowIndexMismatchError,
+    VerticalAlgorithm,
+    VerticalParams,
+    VerticalPartyState,
+    VerticalServerState,
+    VerticalSFVIState,
+    vertical_sfvi,
+)
+from numpyro_fed.vertical.augment import AugmentedModel, VerticalModelError
 from numpyro_fed.vertical.data import VerticalData
 from numpyro_fed.vertical.families import VerticalFamily
 from numpyro_fed.vertical.structure import (
     SERVER,
     VerticalStructure,
     fill_values,
-    owner_log_density,
     vertical_structure,
 )
 
@@ -57,6 +59,7 @@ __all__ = [
     "AuxGrad",
     "AuxSample",
     "CrossGrads",
+    "RowIndexMismatchError",
     "VerticalAlgorithm",
     "VerticalParams",
     "VerticalPartyState",
@@ -67,286 +70,24 @@ __all__ = [
 ]
 
 
-# ----------------------------------------------------------------- messages
-class AuxSample(NamedTuple):
-    """Party -> server: - **z** - the party's auxiliary draw on this round's rows."""
-
-    z: jax.Array
-
-
-class AuxGrad(NamedTuple):
-    """Server -> party: - **g** - :math:`\\partial\\mathcal L_0/\\partial z_j` (Algorithm
-    1) or :math:`\\sum_{k\\ne j}\\partial\\mathcal L_{0,k}/\\partial z_j` (Algorithm 2)."""
-
-    g: jax.Array
-
-
-class AuxBroadcast(NamedTuple):
-    """Server -> every party (Algorithm 2 only; it reveals each party's :math:`z` to
-    the others).
-
-    - **z** - party -> its auxiliary draw.
-    - **server_values** - the server's draw of its latents :math:`\\gamma` and its
-      ``numpyro.param`` values, which every likelihood copy reads.
-    """
-
-    z: dict
-    server_values: dict
-
-
-class CrossGrads(NamedTuple):
-    """Party :math:`j` -> server (Algorithm 2 only).
-
-    - **z** - party :math:`k\\ne j` -> :math:`\\partial\\mathcal L_{0,j}/\\partial z_k`.
-    - **server_values** - :math:`\\partial\\mathcal L_{0,j}/\\partial\\gamma` (and the
-      server's params).
-    """
-
-    z: dict
-    server_values: dict
-
-
-# -------------------------------------------------------------------- states
-class VerticalPartyState(NamedTuple):
-    """- **raw** - the party's unconstrained variational (and model) parameters.
-    - **opt_state** - its optimizer's state."""
-
-    raw: dict
-    opt_state: Any
-
-
-class VerticalServerState(NamedTuple):
-    """- **raw** - the server's unconstrained parameters (:math:`q(\\gamma)`, params).
-    - **opt_state** - its optimizer's state."""
-
-    raw: dict
-    opt_state: Any
-
-
-class VerticalSFVIState(NamedTuple):
-    """- **server** - :class:`VerticalServerState`.
-    - **parties** - party -> :class:`VerticalPartyState`.
-    - **rng_key** - the key the next round splits."""
-
-    server: VerticalServerState
-    parties: dict
-    rng_key: jax.Array
-
-
-class VerticalParams(NamedTuple):
-    """Constrained parameters by owner (see :meth:`VerticalFamily.constrain`).
-
-    - **server** - ``loc``, ``scale_tril``/``scale`` of :math:`q(\\gamma)`, ``param``.
-    - **parties** - party -> ``loc``, ``scale_tril``/``scale``, ``z_loc``/``z_scale``
-      or ``net``, ``param``.
-    """
-
-    server: dict
-    parties: dict
-
-
-class VerticalAlgorithm(NamedTuple):
-    """The pure functions of a round (``party`` is a static party name).
-
-    - **party_send** - ``(party, state, view, key, idx) -> AuxSample``.
-    - **server_step** - Algorithm 1: ``(state, {party: AuxSample}, view, key, idx) ->
-      (state, {party: AuxGrad}, server_elbo)``.
-    - **server_broadcast** - Algorithm 2: ``(state, {party: AuxSample}, key) ->
-      AuxBroadcast``.
-    - **party_cross** - Algorithm 2: ``(party, state, view, key, idx, broadcast) ->
-      CrossGrads``.
-    - **server_collect** - Algorithm 2: ``(state, view, key, idx, broadcast,
-      {party: CrossGrads}) -> (state, {party: AuxGrad}, server_elbo)``.
-    - **party_update** - ``(party, state, view, key, idx, AuxGrad, broadcast or None)
-      -> (state, party_elbo)``.
-    """
-
-    party_send: Callable
-    server_step: Callable
-    server_broadcast: Callable
-    party_cross: Callable
-    server_collect: Callable
-    party_update: Callable
-
-
-def _sg(tree: Any) -> Any:
-    return jax.lax.stop_gradient(tree)
-
-
-def _ascend(optim, grads, opt_state, raw):
-    # optax minimizes: hand it the gradient of the negative ELBO.
-    updates, opt_state = optim.update(jax.tree.map(jnp.negative, grads), opt_state, raw)
-    return optax.apply_updates(raw, updates), opt_state
-
-
-def vertical_sfvi(
-    model: AugmentedModel,
-    family: VerticalFamily,
-    structure: VerticalStructure,
-    optims: dict,
-    *,
-    stl: bool = True,
-) -> VerticalAlgorithm:
-    """
-    The pure functions of vertical SFVI for ``model`` (Algorithm 1 for
-    ``kind="augmented"``, Algorithm 2 for ``kind="power"``).
-
-    :param AugmentedModel model: from :func:`~numpyro_fed.augment`.
-    :param VerticalFamily family: set up on ``structure``.
-    :param VerticalStructure structure: from :func:`vertical_structure`.
-    :param dict optims: owner (each party and ``"server"``) -> optax optimizer.
-    :param bool stl: sticking-the-landing (``log q`` with stop-gradient parameters).
-    :rtype: VerticalAlgorithm
-    """
-    parties = structure.parties
-    rows = structure.rows
-    subsampled = rows is not None and rows[2] < rows[1]
-
-    def rows_values(idx):
-        return {rows[0]: idx} if subsampled else {}
-
-    def noise(owner, key):
-        k1, k2 = jax.random.split(key)
-        eps = jax.random.normal(k1, (family.dim(owner),))
-        if owner == SERVER:
-            return eps, None
-        return eps, jax.random.normal(k2, structure.z_shape[owner])
-
-    def probe(party, values, view):
-        seeded = handlers.seed(
-            handlers.substitute(model.run, data=fill_values(structure, values)),
-            jax.random.key(0),
-        )
-        _, h = seeded("probe", **view)
-        y = None
-        if family.aux == "amortized" and model.kind == "power":
-            if len(h.likelihood) != 1:
-                raise NotImplementedError(
-                    "The amortized power-likelihood family feeds y to its network and "
-                    "needs exactly one likelihood site; got "
-                    f"{sorted(h.likelihood)}."
-                )
-            y = next(iter(h.likelihood.values()))["value"]
-        return h.contributions[party], y
-
-    def party_draw(party, raw, view, key, idx):
-        """``(z_j, site values, log q)`` with the noise of ``key``."""
-        p = family.constrain(party, raw)
-        p_q = _sg(p) if stl else p
-        eps, tau = noise(party, key)
-        values, log_q = family.draw_latents(party, p, p_q, eps)
-        values = {**values, **p["param"], **rows_values(idx)}
-        u, y = probe(party, values, view)
-        z_loc = family.z_dist(party, p, u, y, idx)
-        z = z_loc.loc + z_loc.scale * tau
-        log_q_z = family.z_dist(party, p_q, u, y, idx).log_prob(z).sum()
-        values[z_name(party)] = z
-        return z, values, log_q + structure.z_scale * log_q_z
-
-    def party_elbo(party, raw, view, key, idx, extra):
-        z, values, log_q = party_draw(party, raw, view, key, idx)
-        values = fill_values(structure, {**extra, **values})
-        return z, owner_log_density(model, party, values, view) - log_q
-
-    def server_values(raw, key):
-        p = family.constrain(SERVER, raw)
-        p_q = _sg(p) if stl else p
-        eps, _ = noise(SERVER, key)
-        values, log_q = family.draw_latents(SERVER, p, p_q, eps)
-        return {**values, **p["param"]}, log_q
-
-    def server_term(raw, zs, view, key, idx, linear=None):
-        values, log_q = server_values(raw, key)
-        full = {**values, **{z_name(k): v for k, v in zs.items()}, **rows_values(idx)}
-        elbo = owner_log_density(model, SERVER, fill_values(structure, full), view)
-        elbo = elbo - log_q
-        if linear is not None:  # Algorithm 2: the copies' gradients w.r.t. gamma
-            surrogate = sum(
-                jnp.sum(linear[k] * values[k]) for k in linear if k in values
-            )
-            return elbo + surrogate - _sg(surrogate), elbo
-        return elbo, elbo
-
-    # ------------------------------------------------------------- functions
-    def party_send(party, state, view, key, idx):
-        return AuxSample(party_draw(party, state.raw, view, key, idx)[0])
-
-    def server_step(state, msgs, view, key, idx):
-        zs = {k: m.z for k, m in msgs.items()}
-
-        def objective(raw, zs):
-            return server_term(raw, zs, view, key, idx)
-
-        (_, elbo), (g_raw, g_z) = jax.value_and_grad(
-            objective, argnums=(0, 1), has_aux=True
-        )(state.raw, zs)
-        raw, opt_state = _ascend(optims[SERVER], g_raw, state.opt_state, state.raw)
-        grads = {k: AuxGrad(g_z[k]) for k in parties}
-        return VerticalServerState(raw, opt_state), grads, elbo
-
-    def server_broadcast(state, msgs, key):
-        values, _ = server_values(state.raw, key)
-        return AuxBroadcast({k: m.z for k, m in msgs.items()}, values)
-
-    def party_cross(party, state, view, key, idx, broadcast):
-        _, own, _ = party_draw(party, _sg(state.raw), view, key, idx)
-        others = {k: v for k, v in broadcast.z.items() if k != party}
-
-        def copy_term(others, server):
-            extra = {**{z_name(k): v for k, v in others.items()}, **server}
-            values = fill_values(structure, {**extra, **own})
-            return owner_log_density(model, party, values, view)
-
-        g_z, g_s = jax.grad(copy_term, argnums=(0, 1))(others, broadcast.server_values)
-        return CrossGrads(g_z, g_s)
-
-    def server_collect(state, view, key, idx, broadcast, cross):
-        linear = {}
-        for g in cross.values():
-            for k, v in g.server_values.items():
-                linear[k] = linear.get(k, 0.0) + v
-
-        def objective(raw):
-            return server_term(raw, {}, view, key, idx, linear)
-
-        g_raw, elbo = jax.grad(objective, has_aux=True)(state.raw)
-        raw, opt_state = _ascend(optims[SERVER], g_raw, state.opt_state, state.raw)
-        grads = {
-            j: AuxGrad(sum(cross[k].z[j] for k in parties if k != j))
-            if len(parties) > 1
-            else AuxGrad(jnp.zeros(structure.z_shape[j]))
-            for j in parties
-        }
-        return VerticalServerState(raw, opt_state), grads, elbo
-
-    def party_update(party, state, view, key, idx, grad, broadcast=None):
-        extra = {}
-        if broadcast is not None:
-            extra = {z_name(k): v for k, v in broadcast.z.items() if k != party}
-            extra.update(broadcast.server_values)
-
-        def surrogate(raw):
-            z, elbo = party_elbo(party, raw, view, key, idx, extra)
-            return jnp.sum(_sg(grad.g) * z) + elbo, elbo
-
-        g_raw, elbo = jax.grad(surrogate, has_aux=True)(state.raw)
-        raw, opt_state = _ascend(optims[party], g_raw, state.opt_state, state.raw)
-        return VerticalPartyState(raw, opt_state), elbo
-
-    return VerticalAlgorithm(
-        party_send,
-        server_step,
-        server_broadcast,
-        party_cross,
-        server_collect,
-        party_update,
-    )
+def name_key_data(name: str) -> int:
+    """The ``fold_in`` datum of an owner's key: a CRC-32 of its name, so that a
+    party's noise depends on its name only (not on its position, nor on the other
+    parties' names). Python's ``hash`` is salted per process and cannot be used."""
+    return zlib.crc32(name.encode())
 
 
 class _Round(NamedTuple):
+    """- **idx** - the server's row indices (``None``: every row).
+    - **server_key** - the server's key.
+    - **party_keys** - party -> its key.
+    - **party_idx** - party -> the row indices it uses (derived from the same round
+      key: equal to ``idx`` unless a party deviates, which the server detects)."""
+
     idx: Any
     server_key: jax.Array
     party_keys: dict
+    party_idx: dict
 
 
 class VerticalSFVI:
@@ -371,6 +112,17 @@ class VerticalSFVI:
         party at a time, messages materialized).
     :param bool record_messages: with the sequential runtime, keep every message in
         ``self.messages`` as ``(round, sender, receiver, message)``.
+    :param int local_steps: optimizer steps each party takes per round with the
+        server's gradient and the round's noise held fixed. ``1`` (default) is
+        Algorithm 1/2 and gives unbiased gradients; more steps ascend the server
+        term's *linearization* :math:`\\langle g_j, z_j\\rangle` around the
+        round's :math:`z_j`, which is exact only for the first step: an
+        approximation (the split-NN style of local work), warned about once.
+    :param bool vmap_parties: in the simulation runtime, run the parties whose blocks
+        are equal up to names (same shapes, same optimizer and :math:`\\rho`, and the
+        same values at a random probe point) as one vmapped call; the others, and
+        every party under ``vmap_parties=False``, run one after another in the round.
+        The two paths agree to rounding error.
 
     **Example:**
 
@@ -405,6 +157,8 @@ class VerticalSFVI:
         stl: bool = True,
         runtime: str = "simulate",
         record_messages: bool = False,
+        local_steps: int = 1,
+        vmap_parties: bool = True,
     ) -> None:
         if not isinstance(model, AugmentedModel):
             raise TypeError(
@@ -425,6 +179,21 @@ class VerticalSFVI:
                 "optim must be an optax.GradientTransformation or a dict owner -> "
                 f"optimizer; got {type(optim).__name__}."
             )
+        if not isinstance(local_steps, int) or isinstance(local_steps, bool):
+            raise TypeError(f"local_steps must be an int, got {local_steps!r}.")
+        if local_steps < 1:
+            raise ValueError(f"local_steps must be >= 1, got {local_steps}.")
+        if local_steps > 1:
+            warnings.warn(
+                f"VerticalSFVI(local_steps={local_steps}): the extra local steps ascend "
+                "the linearization <g_j, z_j> of the server's term around the round's "
+                "z_j with a stale server gradient; only the first step follows the "
+                "ELBO's gradient, so the fit is approximate.",
+                UserWarning,
+                stacklevel=2,
+            )
+        self.local_steps = local_steps
+        self.vmap_parties = bool(vmap_parties)
         self.model = model
         self.family = family
         self.optim = optim
@@ -435,6 +204,8 @@ class VerticalSFVI:
         self.structure: VerticalStructure | None = None
         self._layout: tuple = ()
         self._built: dict = {}
+        self._groups: tuple[PartyGroup, ...] | None = None
+        self._held: dict = {}
 
     # ------------------------------------------------------------ construction
     def _optims(self) -> dict:
@@ -487,9 +258,25 @@ class VerticalSFVI:
         )
         self._optims_by_owner = self._optims()
         self.algorithm = vertical_sfvi(
-            self.model, self.family, structure, self._optims_by_owner, stl=self.stl
+            self.model,
+            self.family,
+            structure,
+            self._optims_by_owner,
+            stl=self.stl,
+            local_steps=self.local_steps,
         )
+        data_keys = [name_key_data(o) for o in structure.parties + (SERVER,)]
+        if len(set(data_keys)) < len(data_keys) or 0 in data_keys:
+            raise ValueError(
+                f"The parties' names {list(structure.parties)} give colliding keys "
+                "(CRC-32); rename one."
+            )
+        self._held = {
+            p: tuple(sorted(k for k, o in data.owner.items() if o == p))
+            for p in structure.parties
+        }
         self._built = {}
+        self._groups = None
         self._layout = layout
         return structure
 
@@ -497,8 +284,9 @@ class VerticalSFVI:
         return {h: data.view(h) for h in self.structure.parties + (SERVER,)}
 
     def round_keys(self, rng_key: jax.Array) -> tuple[jax.Array, _Round]:
-        """``(next key, this round's row indices and keys)``: the indices are shared
-        by every party; each party's key is derived from its sorted position."""
+        """``(next key, this round's row indices and keys)``: every owner derives the
+        row indices from the shared round key (so all use the same rows); each
+        owner's key is derived from its *name* (:func:`name_key_data`)."""
         rng_key, k = jax.random.split(rng_key)
         rows = self.structure.rows
         idx = None
@@ -506,22 +294,42 @@ class VerticalSFVI:
             idx = jax.random.choice(
                 jax.random.fold_in(k, 0), rows[1], (rows[2],), False
             )
-        keys = {
-            p: jax.random.fold_in(k, i + 1)
-            for i, p in enumerate(self.structure.parties)
-        }
-        server_key = jax.random.fold_in(k, len(keys) + 1)
-        return rng_key, _Round(idx, server_key, keys)
+        parties = self.structure.parties
+        keys = {p: jax.random.fold_in(k, name_key_data(p)) for p in parties}
+        server_key = jax.random.fold_in(k, name_key_data(SERVER))
+        return rng_key, _Round(idx, server_key, keys, {p: idx for p in parties})
 
-    def _round(self, state: VerticalSFVIState, views: dict, fns: VerticalAlgorithm):
-        """One round with the functions ``fns`` (jitted or not)."""
+    def _round(
+        self,
+        state: VerticalSFVIState,
+        views: dict,
+        fns: VerticalAlgorithm,
+        groups: tuple[PartyGroup, ...] | None = None,
+    ):
+        """One round with the functions ``fns`` (jitted or not); the parties of each
+        group of ``groups`` run as one vmapped call (default: one by one)."""
         alg, parties = fns, self.structure.parties
+        if groups is None:
+            groups = tuple(PartyGroup(p, (p,), {p: ({}, {})}) for p in parties)
         rng_key, r = self.round_keys(state.rng_key)
         ps = state.parties
-        msgs = {
-            p: alg.party_send(p, ps[p], views[p], r.party_keys[p], r.idx)
-            for p in parties
-        }
+
+        def state_in(g, p, s):
+            return as_layout(ps[g.lead], s)
+
+        def view_in(g, p, v):
+            return rename(v, g.renames[p][1])
+
+        def broadcast_in(g, p, b):
+            return None if b is None else b._replace(z=rename(b.z, g.renames[p][0]))
+
+        msgs = run_parties(
+            alg.party_send,
+            groups,
+            {p: (ps[p], views[p], r.party_keys[p], r.party_idx[p]) for p in parties},
+            lambda g, p, a: (state_in(g, p, a[0]), view_in(g, p, a[1]), *a[2:]),
+            lambda g, p, out: out,
+        )
         self._log(state, "party", "server", msgs)
         broadcast = None
         if self.structure.kind == "augmented":
@@ -529,25 +337,53 @@ class VerticalSFVI:
                 state.server, msgs, views[SERVER], r.server_key, r.idx
             )
         else:
-            broadcast = alg.server_broadcast(state.server, msgs, r.server_key)
+            broadcast = alg.server_broadcast(state.server, msgs, r.server_key, r.idx)
             self._log(state, "server", "party", {p: broadcast for p in parties})
-            cross = {
-                p: alg.party_cross(
-                    p, ps[p], views[p], r.party_keys[p], r.idx, broadcast
-                )
-                for p in parties
-            }
+            cross = run_parties(
+                alg.party_cross,
+                groups,
+                {
+                    p: (ps[p], views[p], r.party_keys[p], r.party_idx[p], broadcast)
+                    for p in parties
+                },
+                lambda g, p, a: (
+                    state_in(g, p, a[0]),
+                    view_in(g, p, a[1]),
+                    *a[2:4],
+                    broadcast_in(g, p, a[4]),
+                ),
+                lambda g, p, out: out._replace(z=rename(out.z, g.renames[p][0])),
+            )
             self._log(state, "party", "server", cross)
             server, grads, server_elbo = alg.server_collect(
                 state.server, views[SERVER], r.server_key, r.idx, broadcast, cross
             )
         self._log(state, "server", "party", grads)
-        new, elbos = {}, {}
-        for p in parties:
-            new[p], elbos[p] = alg.party_update(
-                p, ps[p], views[p], r.party_keys[p], r.idx, grads[p], broadcast
-            )
-        loss = -(server_elbo + sum(elbos.values()))
+        updated = run_parties(
+            alg.party_update,
+            groups,
+            {
+                p: (
+                    ps[p],
+                    views[p],
+                    r.party_keys[p],
+                    r.party_idx[p],
+                    grads[p],
+                    broadcast,
+                )
+                for p in parties
+            },
+            lambda g, p, a: (
+                state_in(g, p, a[0]),
+                view_in(g, p, a[1]),
+                *a[2:5],
+                broadcast_in(g, p, a[5]),
+            ),
+            lambda g, p, out: (as_layout(ps[p], out[0]), out[1]),
+        )
+        new = {p: updated[p][0] for p in parties}
+        elbos = {p: updated[p][1] for p in parties}
+        loss = -(server_elbo + sum(elbos[p] for p in parties))
         info = {SERVER: server_elbo, **elbos}
         return VerticalSFVIState(server, new, rng_key), loss, info
 
@@ -557,27 +393,74 @@ class VerticalSFVI:
                 pair = (p, "server") if sender == "party" else ("server", p)
                 self.messages.append((len(self.messages), *pair, m))
 
+    def _find_groups(self, state: VerticalSFVIState, views: dict) -> None:
+        """Group the parties for the simulation runtime (see ``vmap_parties``)."""
+        parties = self.structure.parties
+        if not (self.vmap_parties and self.runtime == "simulate" and len(parties) > 1):
+            self._groups = None
+            return
+        sigs = {
+            p: signature(
+                state.parties[p].raw,
+                state.parties[p].opt_state,
+                [views[p][a] for a in self._held[p]],
+                (
+                    id(self._optims_by_owner[p]),
+                    float(self.model.rho_of(p)),
+                    self.structure.z_shape[p],
+                    self.structure.z_event_dim[p],
+                ),
+            )
+            for p in parties
+        }
+        if len(set(sigs.values())) == len(parties):
+            self._groups = None  # nothing to group: skip the probe
+            return
+        _, r = self.round_keys(state.rng_key)
+        self._groups = find_groups(
+            self.algorithm.party_elbo,
+            parties,
+            sigs,
+            self._held,
+            views,
+            {p: s.raw for p, s in state.parties.items()},
+            jax.random.fold_in(state.rng_key, 7),
+            r.idx,
+        )
+        if all(len(g.parties) == 1 for g in self._groups):
+            self._groups = None
+        self._built.pop("simulate", None)
+
+    @property
+    def party_groups(self) -> tuple[tuple[str, ...], ...]:
+        """The parties the simulation runtime runs together (one vmapped call per
+        group of two or more; the rest one by one), set by :meth:`init`."""
+        if self._groups is None:
+            return tuple((p,) for p in self.structure.parties)
+        return tuple(g.parties for g in self._groups)
+
     def _step_fn(self, views: dict):
         """``state -> (state, loss, info)`` for the runtime."""
         if self.runtime == "simulate":
             if "simulate" not in self._built:
                 self._built["simulate"] = jax.jit(
-                    lambda s, v: self._round(s, v, self.algorithm)
+                    partial(_round_of, self, groups=self._groups)
                 )
             jitted = self._built["simulate"]
-            return lambda s: jitted(s, views)
+            return _checked(lambda s: jitted(s, views))
         if "sequential" not in self._built:
             alg = self.algorithm
             self._built["sequential"] = VerticalAlgorithm(
-                *(jax.jit(f, static_argnums=0) for f in (alg.party_send,)),
+                jax.jit(alg.party_send, static_argnums=0),
                 jax.jit(alg.server_step),
                 jax.jit(alg.server_broadcast),
                 jax.jit(alg.party_cross, static_argnums=0),
                 jax.jit(alg.server_collect),
                 jax.jit(alg.party_update, static_argnums=0),
+                jax.jit(alg.party_elbo, static_argnums=0),
             )
         fns = self._built["sequential"]
-        return lambda s: self._round(s, views, fns)
+        return _checked(lambda s: self._round(s, views, fns))
 
     # -------------------------------------------------------------- NumPyro API
     def init(self, rng_key: jax.Array, data: VerticalData) -> VerticalSFVIState:
@@ -606,6 +489,7 @@ class VerticalSFVI:
         raw0 = self.family.init(SERVER, init_key)
         server = VerticalServerState(raw0, self._optims_by_owner[SERVER].init(raw0))
         state = VerticalSFVIState(server, parties, rng_key)
+        self._find_groups(state, views)
         step = self._step_fn(views)
         # strong dtypes as a round returns them, so that rounds compile once
         shapes = jax.eval_shape(step, state)[0]
@@ -672,7 +556,10 @@ class VerticalSFVI:
         :return: ``RunResult(params, state, losses)``.
         """
         state = init_state if init_state is not None else self.init(rng_key, data)
-        step = self._step_fn(self._views(data))
+        views = self._views(data)
+        if init_state is not None and "simulate" not in self._built:
+            self._find_groups(state, views)
+        step = self._step_fn(views)
         state, losses = run_loop(
             lambda s: step(s)[:2],
             state,
@@ -718,6 +605,8 @@ class VerticalSFVI:
         return jax.vmap(one)(jax.random.split(rng_key, num_samples))
 
     # ---------------------------------------------------------- equivalences
+
+    # ---------------------------------------------------------- equivalences
     def joint_elbo(
         self, raws: dict, rng_key: jax.Array, data: VerticalData
     ) -> jax.Array:
@@ -729,51 +618,10 @@ class VerticalSFVI:
 
         :param dict raws: owner -> raw parameters (``state.parties[p].raw``, and
             ``state.server.raw`` under ``"server"``).
+        :param jax.random.key rng_key: the round's key (``state.rng_key``).
+        :param VerticalData data: the data.
         """
-        fam, st = self.family, self.structure
-        _, r = self.round_keys(rng_key)
-        arrays = data.pooled()
-        alg_noise = {}
-        values, log_q = {}, jnp.zeros(())
-        for owner in st.parties + (SERVER,):
-            p = fam.constrain(owner, raws[owner])
-            p_q = _sg(p) if self.stl else p
-            key = r.server_key if owner == SERVER else r.party_keys[owner]
-            k1, k2 = jax.random.split(key)
-            eps = jax.random.normal(k1, (fam.dim(owner),))
-            draw, lq = fam.draw_latents(owner, p, p_q, eps)
-            values.update(draw)
-            values.update(p["param"])
-            log_q = log_q + lq
-            alg_noise[owner] = (p, p_q, k2)
-        rows = st.rows
-        if rows is not None and rows[2] < rows[1]:
-            values[rows[0]] = r.idx
-        seeded = handlers.seed(
-            handlers.substitute(self.model.run, data=fill_values(st, values)),
-            jax.random.key(0),
-        )
-        _, h = seeded("probe", **arrays)
-        y = None
-        if fam.aux == "amortized" and st.kind == "power":
-            y = next(iter(h.likelihood.values()))["value"]
-        for party in st.parties:
-            p, p_q, k2 = alg_noise[party]
-            tau = jax.random.normal(k2, st.z_shape[party])
-            u = h.contributions[party]
-            zd = fam.z_dist(party, p, u, y, r.idx)
-            z = zd.loc + zd.scale * tau
-            log_q = (
-                log_q
-                + st.z_scale * fam.z_dist(party, p_q, u, y, r.idx).log_prob(z).sum()
-            )
-            values[z_name(party)] = z
-        model_params = {k: v for k, v in values.items() if k in _param_names(st)}
-        latent = {k: v for k, v in values.items() if k not in model_params}
-        log_joint, _ = log_density(
-            handlers.substitute(self.model, data=model_params), (), arrays, latent
-        )
-        return log_joint - log_q
+        return vertical_reference.joint_elbo(self, raws, rng_key, data)
 
     def numpyro_guide(self, init_raws: dict) -> Callable:
         """
@@ -784,67 +632,27 @@ class VerticalSFVI:
 
         :param dict init_raws: owner -> raw parameters to start from.
         """
-        fam, st, model = self.family, self.structure, self.model
-        rows = st.rows
-        if rows is not None and rows[2] < rows[1]:
-            raise NotImplementedError(
-                "numpyro_guide() is full-batch; the rows plate is subsampled."
-            )
-        owners = st.parties + (SERVER,)
-
-        def guide(**arrays):
-            values, raws = {}, {}
-            for owner in owners:
-                leaves, tree = jax.tree_util.tree_flatten_with_path(init_raws[owner])
-                new = []
-                for path, leaf in leaves:
-                    if _path_str(path).startswith("param"):
-                        new.append(leaf)  # model params are the model's own sites
-                        continue
-                    new.append(numpyro.param(f"_vfl/{owner}/{_path_str(path)}", leaf))
-                raws[owner] = jax.tree_util.tree_unflatten(tree, new)
-                p = fam.constrain(owner, raws[owner])
-                values.update(p["param"])
-                if "loc" not in p:
-                    continue
-                flat = numpyro.sample(
-                    f"_vfl/{owner}/latent",
-                    fam.theta_dist(p),
-                    infer={"is_auxiliary": True},
-                )
-                start = 0
-                for name, spec in sorted(st.latents[owner].items()):
-                    size = int(np.prod(spec.unconstrained_shape))
-                    x = flat[start : start + size].reshape(spec.unconstrained_shape)
-                    start += size
-                    t = biject_to(spec.support)
-                    v = t(x)
-                    log_det = jnp.sum(t.log_abs_det_jacobian(x, v))
-                    values[name] = numpyro.sample(
-                        name,
-                        dist.Delta(v, log_density=-log_det, event_dim=len(spec.shape)),
-                    )
-            probe = handlers.block(
-                handlers.seed(
-                    handlers.substitute(model.run, data=fill_values(st, values)),
-                    jax.random.key(0),
-                )
-            )
-            _, h = probe("probe", **arrays)
-            y = None
-            if fam.aux == "amortized" and st.kind == "power":
-                y = next(iter(h.likelihood.values()))["value"]
-            for party in st.parties:
-                p = fam.constrain(party, raws[party])
-                zd = fam.z_dist(party, p, h.contributions[party], y)
-                numpyro.sample(z_name(party), zd.to_event(st.z_event_dim[party]))
-
-        return guide
+        return vertical_reference.numpyro_guide(self, init_raws)
 
 
-def _param_names(structure: VerticalStructure) -> set:
-    return {n for owner in structure.params.values() for n in owner}
+def _round_of(vfl: VerticalSFVI, state, views, groups=None):
+    return vfl._round(state, views, vfl.algorithm, groups)
 
 
-def _path_str(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+def _checked(step: Callable) -> Callable:
+    """``step`` with a row-index mismatch, detected by the server inside a compiled
+    round, raised as :class:`RowIndexMismatchError` (not as a runtime error)."""
+
+    def call(state):
+        try:
+            return jax.block_until_ready(step(state))
+        except jax.errors.JaxRuntimeError as err:
+            text = str(err)
+            tag = "RowIndexMismatchError: "
+            if tag not in text:
+                raise
+            raise RowIndexMismatchError(
+                text[text.rindex(tag) + len(tag) :].splitlines()[0]
+            ) from None
+
+    return call

@@ -5,7 +5,6 @@
 from typing import Any
 
 import jax.numpy as jnp
-import numpy as np
 
 __all__ = ["LABELS", "VerticalData"]
 
@@ -126,6 +125,29 @@ def _fill(value: jnp.ndarray, placeholder: Any) -> jnp.ndarray:
     return jnp.zeros_like(value)  # integer or boolean arrays cannot hold NaN
 
 
-def row_hash(idx: Any) -> int:
-    """A hash of a round's row indices, to check that every party used the same."""
-    return hash(np.asarray(idx).tobytes())
+def row_hash(idx: Any) -> jnp.ndarray:
+    """
+    A ``uint32`` hash of a round's ordered row indices, which each party reports with
+    its auxiliary so that the server can check that every party used the same rows
+    (a polynomial hash: any change of an index, or of the order, changes it except
+    for rare collisions; it is a consistency check, not a cryptographic one). Works
+    under ``jit``; Python's ``hash`` is salted per process and could not be compared
+    across parties.
+
+    :param idx: integer row indices.
+    :return: a ``uint32`` scalar.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import jax.numpy as jnp
+        >>> from numpyro_fed.vertical.data import row_hash
+        >>> bool(row_hash(jnp.array([3, 1, 2])) == row_hash(jnp.array([1, 3, 2])))
+        False
+    """
+    idx = jnp.ravel(jnp.asarray(idx)).astype(jnp.uint32)
+    # powers of the FNV prime, wrapping modulo 2**32 like every uint32 product here
+    weights = jnp.cumprod(jnp.full(idx.shape, 16777619, jnp.uint32))
+    mixed = (idx + jnp.uint32(0x9E3779B9)) * weights
+    return jnp.sum(mixed, dtype=jnp.uint32) ^ jnp.uint32(idx.size)

@@ -99,9 +99,9 @@ def quadratic_posterior(model, data, names):
         return log_density(model, (), arrays, values)[0]
 
     w0 = jnp.zeros(sum(sizes))
-    prec = -jax.hessian(f)(w0)
+    prec = -jax.jit(jax.hessian(f))(w0)
     cov = jnp.linalg.inv(prec)
-    return cov @ jax.grad(f)(w0), cov
+    return cov @ jax.jit(jax.grad(f))(w0), cov
 
 
 def conjugate(data, noise_var, tau=TAU):
