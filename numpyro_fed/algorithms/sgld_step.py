@@ -280,9 +280,13 @@ def step(
     :param SiloData data: all silos' data, stacked (the step reads only one silo's).
     """
     t = state.step
-    silo = jnp.where(
-        t % cfg.tau == 0, choose_silo(cfg, state.rng_key, t), state.silo
-    ).astype(jnp.int32)
+    # The Cat(f) draw costs O(J) (a Gumbel per silo): a cond pays it once per round,
+    # not every step (under vmap with per-chain counters it becomes a select).
+    silo = jax.lax.cond(
+        t % cfg.tau == 0,
+        lambda: choose_silo(cfg, state.rng_key, t),
+        lambda: state.silo.astype(jnp.int32),
+    )
     z_global, z_local = pot.split(state.z)
     own = {k: v[silo] for k, v in z_local.items()}
     arrays = {k: v[silo] for k, v in data.arrays.items()}
