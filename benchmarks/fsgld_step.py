@@ -17,7 +17,8 @@ Benchmark: the cost of a conducive gradient, and accuracy per second
    reference. Wall times include compilation and, for FSGLD, the Laplace surrogates.
 
 Run: ``python benchmarks/fsgld_step.py`` (writes ``benchmarks/results/fsgld_step.json``;
-``--quick`` for a short smoke run).
+``--quick`` for a short smoke run, ``--step-cost-only`` to redo part 1 and keep the
+stored part 2).
 """
 
 import argparse
@@ -195,13 +196,19 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     parser.add_argument("--quick", action="store_true", help="short smoke run")
     parser.add_argument(
+        "--step-cost-only",
+        action="store_true",
+        help="rerun the step cost only; keep the stored accuracy-vs-time rows",
+    )
+    parser.add_argument("--repeats", type=int, default=15, help="timed repeats")
+    parser.add_argument(
         "--out", default=str(Path(__file__).parent / "results" / "fsgld_step.json")
     )
     args = parser.parse_args()
     jax.config.update("jax_enable_x64", True)
 
     silos = (10,) if args.quick else (10, 100)
-    costs = [step_cost(j, repeats=5 if args.quick else 15) for j in silos]
+    costs = [step_cost(j, repeats=5 if args.quick else args.repeats) for j in silos]
     print(
         "\nStep cost (microseconds per step; ratio to plain SGLD on the same batch size)"
     )
@@ -216,6 +223,23 @@ def main():
             f"{r['dsgld_ratio']:>11.2f} {r['fsgld_full_ratio']:>11.2f} "
             f"{r['fsgld_diag_ratio']:>10.2f}"
         )
+
+    meta = {
+        "jax": jax.__version__,
+        "numpyro": numpyro.__version__,
+        "machine": platform.machine(),
+        "jax_devices": jax.local_device_count(),
+        "cpu_count": os.cpu_count(),
+        "x64": True,
+        "quick": args.quick,
+        "repeats": args.repeats,
+    }
+    if args.step_cost_only:
+        out = json.loads(Path(args.out).read_text())
+        out["step_cost"], out["step_cost_meta"] = costs, meta
+        Path(args.out).write_text(json.dumps(out, indent=2))
+        print(f"\nupdated the step cost in {args.out}")
+        return
 
     if args.quick:
         lengths, rows_n = {"nuts": [100], "sgld": [2000]}, 20_000
@@ -232,15 +256,6 @@ def main():
         err = f"{r['error_sd']:>11.3f}" if "error_sd" in r else f"{'(reference)':>11}"
         print(f"{r['method']:>15} {r['samples']:>8} {r['seconds']:>8.1f} {err}")
 
-    meta = {
-        "jax": jax.__version__,
-        "numpyro": numpyro.__version__,
-        "machine": platform.machine(),
-        "jax_devices": jax.local_device_count(),
-        "cpu_count": os.cpu_count(),
-        "x64": True,
-        "quick": args.quick,
-    }
     out = {"meta": meta, "step_cost": costs, "accuracy_vs_time": accuracy}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=2))
