@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """One vertical federated round (VerticalSFVI, Algorithm 1, simulation runtime) vs
 one centralized NumPyro SVI step on the same augmented model with the same family
-(``vfl.numpyro_guide``), and the state's size against n (amortized vs mean-field).
+(``vfl.numpyro_guide``), the state's size against n (amortized vs mean-field), and
+J = 10 equal parties run as one vmapped call vs one after another in the round.
 
 Ratios are against the reference measured in the same run. Writes
 ``benchmarks/results/vertical_round.json``.
@@ -59,6 +60,7 @@ def make_data(n, p=20, seed=0):
 
 
 def timed(fn, state, repeats):
+    # the runtime's step blocks on its result (it checks the server's row hashes)
     state = fn(state)  # compile
     jax.block_until_ready(state)
     t0 = time.perf_counter()
@@ -81,6 +83,57 @@ def round_vs_svi(n, aux, repeats):
     update = jax.jit(lambda s: svi.update(s, **data.pooled())[0])
     t_svi = timed(update, svi_state, repeats)
     return t_fed, t_svi
+
+
+def equal_parties_model(J, p):
+    names = [f"p{j}" for j in range(J)]
+
+    def model(y=None, **xs):
+        b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+        etas = []
+        for k in names:
+            with nf.vertical(k):
+                beta = numpyro.sample(
+                    f"beta_{k}", dist.Normal(0.0, 1.0).expand([p]).to_event(1)
+                )
+                with numpyro.plate("rows", y.shape[0]):
+                    etas.append(nf.contribution(k, xs[f"x_{k}"] @ beta))
+        with numpyro.plate("rows", y.shape[0]):
+            numpyro.sample("y", dist.Bernoulli(logits=b + sum(etas)), obs=y)
+
+    return model, names
+
+
+def vmap_vs_loop(n, J, repeats):
+    """(init s, round s) with the parties vmapped and looped."""
+    model, names = equal_parties_model(J, 2)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 2 * J))
+    y = (rng.uniform(size=n) < 1 / (1 + np.exp(-x @ rng.normal(size=2 * J)))).astype(
+        float
+    )
+    data = nf.VerticalData(
+        {
+            k: {f"x_{k}": jnp.asarray(x[:, 2 * j : 2 * j + 2])}
+            for j, k in enumerate(names)
+        },
+        {"y": jnp.asarray(y)},
+    )
+    out = {}
+    for vmap in (True, False):
+        vfl = nf.VerticalSFVI(
+            nf.augment(model, 1.0),
+            nf.VerticalFamily(aux="amortized"),
+            optax.adam(1e-2),
+            vmap_parties=vmap,
+        )
+        t0 = time.perf_counter()
+        state = vfl.init(jax.random.key(0), data)  # traces, probes, compiles, 1 round
+        t_init = time.perf_counter() - t0
+        step = vfl._step_fn(vfl._views(data))
+        out[vmap] = (t_init, timed(lambda s, step=step: step(s)[0], state, repeats))
+        assert len(vfl.party_groups) == (1 if vmap else J)
+    return out
 
 
 def state_size(n, aux):
@@ -123,6 +176,15 @@ def main():
         a, m = state_size(n, "amortized"), state_size(n, "meanfield")
         sizes.append({"n": n, "amortized": a, "meanfield": m})
         print(f"{n:>7} {a:>17} {m:>18}")
+    J, n = 10, 500
+    res = vmap_vs_loop(n, J, args.repeats)
+    (i_v, r_v), (i_l, r_l) = res[True], res[False]
+    print(
+        f"\nJ = {J} equal parties, n = {n}: {'init s':>7} {'round ms':>9}\n"
+        f"{'vmapped':>26} {i_v:7.1f} {1e3 * r_v:9.3f}\n"
+        f"{'looped':>26} {i_l:7.1f} {1e3 * r_l:9.3f}\n"
+        f"{'ratio vmapped/looped':>26} {i_v / i_l:7.2f} {r_v / r_l:9.2f}"
+    )
     out = {
         "benchmark": "vertical_round",
         "machine": platform.platform(),
@@ -130,6 +192,14 @@ def main():
         "repeats": args.repeats,
         "round_vs_svi": rows,
         "parameters_vs_n": sizes,
+        "vmapped_vs_looped_parties": {
+            "J": J,
+            "n": n,
+            "vmapped": {"init_s": i_v, "round_s": r_v},
+            "looped": {"init_s": i_l, "round_s": r_l},
+            "round_ratio": r_v / r_l,
+            "init_ratio": i_v / i_l,
+        },
     }
     path = pathlib.Path(__file__).parent / "results" / "vertical_round.json"
     path.write_text(json.dumps(out, indent=2))

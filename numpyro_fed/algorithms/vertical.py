@@ -25,10 +25,9 @@ from numpyro_fed.algorithms import vertical_reference
 from numpyro_fed.algorithms._runner import RunResult, run_loop
 from numpyro_fed.algorithms.vertical_parties import (
     PartyGroup,
-    as_layout,
+    checked,
+    drive_round,
     find_groups,
-    rename,
-    run_parties,
     signature,
 )
 from numpyro_fed.algorithms.vertical_protocol import (
@@ -308,84 +307,18 @@ class VerticalSFVI:
     ):
         """One round with the functions ``fns`` (jitted or not); the parties of each
         group of ``groups`` run as one vmapped call (default: one by one)."""
-        alg, parties = fns, self.structure.parties
-        if groups is None:
-            groups = tuple(PartyGroup(p, (p,), {p: ({}, {})}) for p in parties)
         rng_key, r = self.round_keys(state.rng_key)
-        ps = state.parties
-
-        def state_in(g, p, s):
-            return as_layout(ps[g.lead], s)
-
-        def view_in(g, p, v):
-            return rename(v, g.renames[p][1])
-
-        def broadcast_in(g, p, b):
-            return None if b is None else b._replace(z=rename(b.z, g.renames[p][0]))
-
-        msgs = run_parties(
-            alg.party_send,
+        server, parties, loss, info = drive_round(
+            fns,
+            self.structure,
+            state.server,
+            state.parties,
+            views,
+            r,
             groups,
-            {p: (ps[p], views[p], r.party_keys[p], r.party_idx[p]) for p in parties},
-            lambda g, p, a: (state_in(g, p, a[0]), view_in(g, p, a[1]), *a[2:]),
-            lambda g, p, out: out,
+            lambda sender, msgs: self._log(state, sender, None, msgs),
         )
-        self._log(state, "party", "server", msgs)
-        broadcast = None
-        if self.structure.kind == "augmented":
-            server, grads, server_elbo = alg.server_step(
-                state.server, msgs, views[SERVER], r.server_key, r.idx
-            )
-        else:
-            broadcast = alg.server_broadcast(state.server, msgs, r.server_key, r.idx)
-            self._log(state, "server", "party", {p: broadcast for p in parties})
-            cross = run_parties(
-                alg.party_cross,
-                groups,
-                {
-                    p: (ps[p], views[p], r.party_keys[p], r.party_idx[p], broadcast)
-                    for p in parties
-                },
-                lambda g, p, a: (
-                    state_in(g, p, a[0]),
-                    view_in(g, p, a[1]),
-                    *a[2:4],
-                    broadcast_in(g, p, a[4]),
-                ),
-                lambda g, p, out: out._replace(z=rename(out.z, g.renames[p][0])),
-            )
-            self._log(state, "party", "server", cross)
-            server, grads, server_elbo = alg.server_collect(
-                state.server, views[SERVER], r.server_key, r.idx, broadcast, cross
-            )
-        self._log(state, "server", "party", grads)
-        updated = run_parties(
-            alg.party_update,
-            groups,
-            {
-                p: (
-                    ps[p],
-                    views[p],
-                    r.party_keys[p],
-                    r.party_idx[p],
-                    grads[p],
-                    broadcast,
-                )
-                for p in parties
-            },
-            lambda g, p, a: (
-                state_in(g, p, a[0]),
-                view_in(g, p, a[1]),
-                *a[2:5],
-                broadcast_in(g, p, a[5]),
-            ),
-            lambda g, p, out: (as_layout(ps[p], out[0]), out[1]),
-        )
-        new = {p: updated[p][0] for p in parties}
-        elbos = {p: updated[p][1] for p in parties}
-        loss = -(server_elbo + sum(elbos[p] for p in parties))
-        info = {SERVER: server_elbo, **elbos}
-        return VerticalSFVIState(server, new, rng_key), loss, info
+        return VerticalSFVIState(server, parties, rng_key), loss, info
 
     def _log(self, state, sender, receiver, msgs):
         if self.record_messages and self.runtime == "sequential":
@@ -447,7 +380,7 @@ class VerticalSFVI:
                     partial(_round_of, self, groups=self._groups)
                 )
             jitted = self._built["simulate"]
-            return _checked(lambda s: jitted(s, views))
+            return checked(lambda s: jitted(s, views))
         if "sequential" not in self._built:
             alg = self.algorithm
             self._built["sequential"] = VerticalAlgorithm(
@@ -460,7 +393,7 @@ class VerticalSFVI:
                 jax.jit(alg.party_elbo, static_argnums=0),
             )
         fns = self._built["sequential"]
-        return _checked(lambda s: self._round(s, views, fns))
+        return checked(lambda s: self._round(s, views, fns))
 
     # -------------------------------------------------------------- NumPyro API
     def init(self, rng_key: jax.Array, data: VerticalData) -> VerticalSFVIState:
@@ -637,22 +570,3 @@ class VerticalSFVI:
 
 def _round_of(vfl: VerticalSFVI, state, views, groups=None):
     return vfl._round(state, views, vfl.algorithm, groups)
-
-
-def _checked(step: Callable) -> Callable:
-    """``step`` with a row-index mismatch, detected by the server inside a compiled
-    round, raised as :class:`RowIndexMismatchError` (not as a runtime error)."""
-
-    def call(state):
-        try:
-            return jax.block_until_ready(step(state))
-        except jax.errors.JaxRuntimeError as err:
-            text = str(err)
-            tag = "RowIndexMismatchError: "
-            if tag not in text:
-                raise
-            raise RowIndexMismatchError(
-                text[text.rindex(tag) + len(tag) :].splitlines()[0]
-            ) from None
-
-    return call

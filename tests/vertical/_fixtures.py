@@ -83,9 +83,9 @@ def rich_data(n=12, seed=1, labels="server", placeholder=float("nan")):
     )
 
 
-def quadratic_posterior(model, data, names):
+def quadratic_form(model, data, names):
     """Exact Gaussian posterior of a model whose log joint is quadratic in the flat
-    vector of ``names`` (from its Hessian and gradient at 0): ``(mean, cov)``."""
+    vector of ``names`` (from its Hessian and gradient at 0): ``(mean, precision)``."""
     arrays = data.pooled()
     tr = numpyro.handlers.trace(numpyro.handlers.seed(model, 0)).get_trace(**arrays)
     shapes = {k: jnp.shape(tr[k]["value"]) for k in names}
@@ -100,8 +100,13 @@ def quadratic_posterior(model, data, names):
 
     w0 = jnp.zeros(sum(sizes))
     prec = -jax.jit(jax.hessian(f))(w0)
-    cov = jnp.linalg.inv(prec)
-    return cov @ jax.jit(jax.grad(f))(w0), cov
+    return jnp.linalg.solve(prec, jax.jit(jax.grad(f))(w0)), prec
+
+
+def quadratic_posterior(model, data, names):
+    """:func:`quadratic_form` as ``(mean, covariance)``."""
+    mean, prec = quadratic_form(model, data, names)
+    return mean, jnp.linalg.inv(prec)
 
 
 def conjugate(data, noise_var, tau=TAU):

@@ -180,7 +180,8 @@ def test_t10_party_keys_depend_on_names_only():
     assert name_key_data("a") != name_key_data("b")
 
 
-def test_t10_party_order_and_row_permutation_leave_results_unchanged():
+@pytest.mark.slow
+def test_t10_row_permutation_leaves_results_unchanged():
     widths, n, steps = {"a": 2, "b": 1}, 20, 5
     family = nf.VerticalFamily(aux="amortized", hidden=(3,))
     data = linear_data(widths, n)
@@ -200,9 +201,6 @@ def test_t10_party_order_and_row_permutation_leave_results_unchanged():
         return vfl.run(None, steps, data, progress_bar=False, init_state=state), vfl
 
     ref, vfl = fit(linear_model(("a", "b")), data)
-    # the parties' blocks in the other order (names, hence keys, unchanged)
-    swapped, _ = fit(linear_model(("b", "a")), data)
-    assert_trees_close(swapped.state, ref.state, 1e-12)
     # rows permuted at every party and at the server, noise permuted accordingly
     perm = np.random.default_rng(1).permutation(n)
 
@@ -235,14 +233,19 @@ def test_t12_minibatch_elbo_is_unbiased_with_shared_rows():
             nf.augment(linear_model(subsample=sub), 0.5), family, optax.sgd(0.0)
         )
         state = fresh_state(vfl, data)  # the same parameters for both
-        views = vfl._views(data)
+        raws = {
+            SERVER: state.server.raw,
+            **{p: s.raw for p, s in state.parties.items()},
+        }
         if sub is not None:
             assert vfl.structure.z_scale == n / batch
 
-        def loss(k, vfl=vfl, state=state, views=views):
-            return vfl._round(state._replace(rng_key=k), views, vfl.algorithm)[1]
+        # the round's single-sample ELBO (its rows and noise from the key), which
+        # the protocol's loss equals (T5)
+        def elbo(k, vfl=vfl, raws=raws):
+            return vfl.joint_elbo(raws, k, data)
 
-        draws = -jax.jit(jax.vmap(loss))(jax.random.split(jax.random.key(0), keys))
+        draws = jax.jit(jax.vmap(elbo))(jax.random.split(jax.random.key(0), keys))
         means[sub] = (float(draws.mean()), float(draws.std() / keys**0.5))
     (m_mb, se_mb), (m_full, se_full) = means[batch], means[None]
     se = (se_mb**2 + se_full**2) ** 0.5
@@ -322,9 +325,6 @@ def test_t16_local_steps_hold_the_server_gradient_fixed():
         )
         > 1e-3
     )
-    # it runs end to end
-    result = three.run(jax.random.key(0), 3, data, progress_bar=False)
-    assert bool(jnp.all(jnp.isfinite(result.losses)))
     with pytest.raises(ValueError, match="local_steps"):
         nf.VerticalSFVI(aug, nf.VerticalFamily(), optax.adam(0.1), local_steps=0)
     with pytest.raises(TypeError, match="local_steps"):
@@ -343,14 +343,14 @@ def _fit(model, data, family, vmap, steps=4, kind="augmented", optim=None):
     return vfl, result
 
 
-def test_equal_parties_are_vmapped_and_agree_with_the_loop():
-    # a and b have equal blocks (vmapped together); c is wider (its own call)
+def test_t10_vmapped_and_looped_parties_agree_in_any_block_order():
+    # a and b have equal blocks (vmapped together); c is wider (its own call). The
+    # looped run traces the blocks in another order: party keys come from names.
     widths = {"a": 2, "b": 2, "c": 3}
-    model = linear_model(("a", "b", "c"))
     data = linear_data(widths)
     family = nf.VerticalFamily(aux="amortized", hidden=(3,))
-    vmapped, r1 = _fit(model, data, family, True)
-    looped, r2 = _fit(model, data, family, False)
+    vmapped, r1 = _fit(linear_model(("a", "b", "c")), data, family, True)
+    looped, r2 = _fit(linear_model(("c", "a", "b")), data, family, False)
     assert vmapped.party_groups == (("a", "b"), ("c",))
     assert looped.party_groups == (("a",), ("b",), ("c",))
     assert_trees_close(r1.state, r2.state, 1e-12)
