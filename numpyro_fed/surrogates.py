@@ -40,7 +40,7 @@ __all__ = [
     "surrogate_product",
 ]
 
-_METHODS = ("laplace", "sgld", "vi")
+_METHODS = ("laplace", "sgld", "vi", "taylor")
 
 
 class GaussianSurrogates(NamedTuple):
@@ -261,6 +261,21 @@ def _fit_laplace(log_target, u0, num_steps, tol=1e-8):
     return u, jax.hessian(loss)(u)
 
 
+def _fit_taylor(log_target, u0):
+    """Second-order Taylor expansion of the log target at ``u0``, as a Gaussian: the
+    negative Hessian with its negative curvature clipped to a small positive floor
+    (so the Gaussian is proper), centred one Newton step from ``u0``. Its gradient
+    equals the target's at ``u0`` exactly, which is what makes it a good control
+    variate near ``u0`` (the idea of SGLD-CV, Baker et al. 2019)."""
+    grad = jax.grad(log_target)(u0)
+    hess = -jax.hessian(log_target)(u0)
+    eig, vec = jnp.linalg.eigh(0.5 * (hess + hess.T))
+    eig = jnp.maximum(eig, 1e-8 * jnp.max(jnp.abs(eig)))
+    precision = (vec * eig) @ vec.T
+    mean = u0 + (vec / eig) @ (vec.T @ grad)
+    return mean, precision
+
+
 def _fit_sgld(log_target, u0, key, step_size, num_warmup, num_samples, dim, diagonal):
     grad = jax.grad(log_target)
 
@@ -369,6 +384,15 @@ def fit_surrogates(
     - ``"vi"``: a Gaussian fitted by maximizing the ELBO of the local likelihood
       (Adam, ``num_steps``, ``learning_rate``, ``num_particles``; the second half of
       the iterates is averaged).
+    - ``"taylor"``: the second-order Taylor expansion of the silo's target at a
+      point the server chooses (``init_params``, shared by every silo: e.g. the
+      state of a short chain), with negative curvature clipped to a small positive
+      floor. No optimization; its gradient equals the silo's at that point (with
+      local latents: the gradient of the quadratic's marginal), so the
+      conducive gradient there removes the between-silo variance exactly (a
+      control variate in the manner of SGLD-CV). Exact for a Gaussian likelihood;
+      for a likelihood whose gradient saturates (ReLU networks, logistic links) the
+      quadratic outgrows it away from the point, so keep the chain near it.
 
     A silo whose data do not identify every global coordinate (e.g. a logistic
     regression silo holding one class) has an improper likelihood; ``prior_power``
@@ -379,7 +403,7 @@ def fit_surrogates(
 
     :param callable model: the federated model.
     :param FederatedData data: the silos' data.
-    :param str method: ``"laplace"``, ``"sgld"`` or ``"vi"``.
+    :param str method: ``"laplace"``, ``"sgld"``, ``"vi"`` or ``"taylor"``.
     :param str covariance: ``"full"`` or ``"diag"`` (diagonal: the marginal
         variances are matched).
     :param jax.random.key rng_key: key for the initial values and for ``"sgld"`` and
@@ -447,6 +471,15 @@ def fit_surrogates(
         if method == "laplace":
             mode, hess = _fit_laplace(log_target, u0, num_steps)
             return _marginal(mode, hess, dim, diagonal, True)
+        if method == "taylor":
+            mean, precision = _fit_taylor(log_target, u0)
+            if diagonal and precision.shape[0] == dim:
+                # The curvature along each axis, not the marginal precision: the
+                # control variate should follow the gradient's change coordinate by
+                # coordinate, and keep the target's gradient at u0.
+                prec = jnp.diag(precision)
+                return prec, prec * u0 + jax.grad(log_target)(u0)
+            return _marginal(mean, precision, dim, diagonal, True)
         if method == "sgld":
             mean, cov = _fit_sgld(
                 log_target, u0, key, step_size, num_warmup, num_samples, dim, diagonal

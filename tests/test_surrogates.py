@@ -198,3 +198,90 @@ def test_rank_deficient_local_likelihood_is_reported_and_prior_power_fixes_it():
     q = nf.fit_surrogates(regression, data, prior_power=0.5)
     x = X[3]
     np.testing.assert_allclose(q.precision[1], np.outer(x, x) + 0.5 / 4 * np.eye(2))
+
+
+@pytest.mark.parametrize("covariance", ["full", "diag"])
+def test_taylor_is_exact_on_gaussian_silos_from_any_point(blobs, covariance):
+    _, data = blobs
+    exact = nf.fit_surrogates(blob_model, data, covariance=covariance)
+    for point in ([0.0, 0.0], [9.0, -4.0]):
+        q = nf.fit_surrogates(
+            blob_model,
+            data,
+            method="taylor",
+            covariance=covariance,
+            init_params={"theta": jnp.array(point)},
+        )
+        np.testing.assert_allclose(q.precision, exact.precision, rtol=1e-10)
+        np.testing.assert_allclose(q.shift, exact.shift, rtol=1e-10, atol=1e-10)
+
+
+def logistic_model(X, y):
+    beta = numpyro.sample("beta", dist.Normal(0, 1).expand([2]).to_event(1))
+    with nf.silo_plate("data", X.shape[0]):
+        numpyro.sample("y", dist.Bernoulli(logits=X @ beta), obs=y)
+
+
+def student_model(x):
+    mu = numpyro.sample("mu", dist.Normal(0, 10).expand([2]).to_event(1))
+    with nf.silo_plate("data", x.shape[0]):
+        numpyro.sample("x", dist.StudentT(2.0, mu, 1.0).to_event(1), obs=x)
+
+
+@pytest.mark.parametrize("covariance", ["full", "diag"])
+def test_taylor_matches_the_silo_gradient_and_curvature_at_the_point(covariance):
+    """At the shared point the surrogate's gradient is the silo's exactly; the
+    precision is minus the Hessian (its diagonal), clipped where the curvature is
+    negative (a Student-t silo far from its data)."""
+    rng = np.random.default_rng(2)
+    X = rng.normal(size=(60, 2))
+    y = (rng.uniform(size=60) < jax.nn.sigmoid(X @ np.array([1.0, -2.0]))) * 1.0
+    groups = np.repeat([0, 1, 2], 20)
+    point = jnp.array([0.3, -0.7])
+    for model, arrays in (
+        (logistic_model, {"X": X, "y": y}),
+        (student_model, {"x": X + 6.0}),
+    ):
+        data = nf.FederatedData.from_groups(groups, **arrays)
+        name = "beta" if model is logistic_model else "mu"
+        q = nf.fit_surrogates(
+            model,
+            data,
+            method="taylor",
+            covariance=covariance,
+            init_params={name: point},
+        )
+        for s in range(3):
+            rows = {k: v[groups == s] for k, v in arrays.items()}
+
+            def silo(theta, rows=rows, model=model, name=name):
+                with numpyro.handlers.block():
+                    tr = numpyro.handlers.trace(
+                        numpyro.handlers.substitute(model, data={name: theta})
+                    ).get_trace(**rows)
+                return sum(
+                    site["fn"].log_prob(site["value"]).sum()
+                    for site in tr.values()
+                    if site["type"] == "sample" and site["is_observed"]
+                )
+
+            grad = jax.grad(silo)(point)
+            np.testing.assert_allclose(
+                surrogate_grad(GaussianSurrogates(q.precision[s], q.shift[s]), point),
+                grad,
+                rtol=1e-10,
+                atol=1e-12,
+            )
+            hess = -jax.hessian(silo)(point)
+            eig = np.linalg.eigvalsh(hess)
+            if model is logistic_model:  # concave: no clipping
+                expected = hess if covariance == "full" else np.diag(hess)
+                np.testing.assert_allclose(q.precision[s], expected, rtol=1e-10)
+            else:  # 6 scales away a Student-t log-likelihood curves the wrong way
+                assert eig.max() < 0
+                prec = (
+                    q.precision[s]
+                    if covariance == "diag"
+                    else np.linalg.eigvalsh(q.precision[s])
+                )
+                assert np.all(prec > 0)
