@@ -99,41 +99,72 @@ def find_groups(
     :param idx: a round's row indices (or ``None``).
     :return: the groups, singletons included, ordered by lead.
     """
-    probe = jax.jit(party_elbo, static_argnums=0)
     by_sig: dict = {}
     for p in parties:
         by_sig.setdefault(signatures[p], []).append(p)
     groups = []
     for members in by_sig.values():
-        lead, ok, renames = members[0], [members[0]], {members[0]: ({}, {})}
-        for i, p in enumerate(members[1:]):
-            k1, k2 = jax.random.split(jax.random.fold_in(key, i))
-            leaves, tree = jax.tree.flatten(raws[p])
-            ks = jax.random.split(k1, len(leaves))
-            raw = jax.tree.unflatten(
-                tree,
-                [
-                    x + 0.3 * jax.random.normal(k, jnp.shape(x))
-                    for x, k in zip(leaves, ks, strict=True)
-                ],
-            )
-            mapping = _renaming(p, lead, held)
-            native = probe(p, raw, views[p], k2, idx, {})
-            mapped = probe(
-                lead,
-                as_layout(raws[lead], raw),
-                rename(views[p], mapping[1]),
-                k2,
-                idx,
-                {},
-            )
-            if _agree(native, mapped):
-                ok.append(p)
-                renames[p] = mapping
-            else:
+        lead, rest = members[0], members[1:]
+        same = (
+            _probe(party_elbo, lead, rest, held, views, raws, key, idx) if rest else {}
+        )
+        ok, renames = [lead], {lead: ({}, {})}
+        for p in rest:
+            if same[p] is None:
                 groups.append(PartyGroup(p, (p,), {p: ({}, {})}))
+            else:
+                ok.append(p)
+                renames[p] = same[p]
         groups.append(PartyGroup(lead, tuple(ok), renames))
     return tuple(sorted(groups, key=lambda g: g.lead))
+
+
+def _probe(party_elbo, lead, rest, held, views, raws, key, idx) -> dict:
+    """Party -> its renamings if the lead's function reproduces its ELBO term and
+    auxiliary at a random point, else ``None``. One compile for the parties' own
+    functions, one for the lead's (vmapped)."""
+    points, mappings = {}, {}
+    for i, p in enumerate(rest):
+        k1, k2 = jax.random.split(jax.random.fold_in(key, i))
+        leaves, tree = jax.tree.flatten(raws[p])
+        ks = jax.random.split(k1, len(leaves))
+        noise = [
+            jax.random.normal(k, jnp.shape(x)) for x, k in zip(leaves, ks, strict=True)
+        ]
+        raw = jax.tree.unflatten(
+            tree, [x + 0.3 * e for x, e in zip(leaves, noise, strict=True)]
+        )
+        points[p] = (raw, k2)
+        mappings[p] = _renaming(p, lead, held)
+
+    @jax.jit
+    def own(points, views):
+        return {
+            p: party_elbo(p, raw, views[p], k, idx, {})
+            for p, (raw, k) in points.items()
+        }
+
+    @jax.jit
+    @jax.vmap
+    def as_lead(raw, view, k):
+        return party_elbo(lead, raw, view, k, idx, {})
+
+    inputs = [
+        (
+            as_layout(raws[lead], points[p][0]),
+            rename(views[p], mappings[p][1]),
+            points[p][1],
+        )
+        for p in rest
+    ]
+    mapped = as_lead(*jax.tree.map(lambda *xs: jnp.stack(xs), *inputs))
+    native = own(points, {p: views[p] for p in rest})
+    return {
+        p: mappings[p]
+        if _agree(native[p], jax.tree.map(lambda x, i=i: x[i], mapped))
+        else None
+        for i, p in enumerate(rest)
+    }
 
 
 def _agree(a: Any, b: Any) -> bool:
