@@ -28,6 +28,7 @@ from numpyro_fed.algorithms.vertical_parties import (
     checked,
     drive_round,
     find_groups,
+    row_errors,
     signature,
 )
 from numpyro_fed.algorithms.vertical_protocol import (
@@ -493,14 +494,16 @@ class VerticalSFVI:
         if init_state is not None and "simulate" not in self._built:
             self._find_groups(state, views)
         step = self._step_fn(views)
-        state, losses = run_loop(
-            lambda s: step(s)[:2],
-            state,
-            num_steps,
-            progress_bar=progress_bar,
-            # a scan compiles the round again: worth it for long runs only
-            scan=self.runtime == "simulate" and num_steps >= 200,
-        )
+        with row_errors():
+            state, losses = run_loop(
+                lambda s: step(s)[:2],
+                state,
+                num_steps,
+                progress_bar=progress_bar,
+                # a scan compiles the round again: worth it for long runs only
+                scan=self.runtime == "simulate" and num_steps >= 200,
+            )
+            jax.block_until_ready(losses)
         return RunResult(self.get_params(state), state, losses)
 
     def get_params(self, state: VerticalSFVIState) -> VerticalParams:

@@ -13,6 +13,7 @@ natively and through the lead's function at a random point, must agree; a party
 that fails the probe keeps its own function (the loop).
 """
 
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable, NamedTuple
 
@@ -23,7 +24,14 @@ import numpy as np
 from numpyro_fed.algorithms.vertical_protocol import RowIndexMismatchError
 from numpyro_fed.vertical.structure import SERVER
 
-__all__ = ["PartyGroup", "checked", "drive_round", "find_groups", "run_parties"]
+__all__ = [
+    "PartyGroup",
+    "checked",
+    "drive_round",
+    "find_groups",
+    "row_errors",
+    "run_parties",
+]
 
 
 class PartyGroup(NamedTuple):
@@ -309,20 +317,29 @@ def drive_round(
     return server, new, loss, info
 
 
+@contextmanager
+def row_errors():
+    """Re-raise a row-index mismatch that the server detected inside a compiled round
+    (a host callback's error) as :class:`RowIndexMismatchError`."""
+    try:
+        yield
+    except jax.errors.JaxRuntimeError as err:
+        text = str(err)
+        tag = "RowIndexMismatchError: "
+        if tag not in text:
+            raise
+        raise RowIndexMismatchError(
+            text[text.rindex(tag) + len(tag) :].splitlines()[0]
+        ) from None
+
+
 def checked(step: Callable) -> Callable:
-    """``step`` with a row-index mismatch, detected by the server inside a compiled
-    round, raised as :class:`RowIndexMismatchError` (not as a runtime error)."""
+    """``step`` run to completion under :func:`row_errors`."""
 
     def call(state):
-        try:
+        if isinstance(state.rng_key, jax.core.Tracer):  # traced (run's lax.scan)
+            return step(state)
+        with row_errors():
             return jax.block_until_ready(step(state))
-        except jax.errors.JaxRuntimeError as err:
-            text = str(err)
-            tag = "RowIndexMismatchError: "
-            if tag not in text:
-                raise
-            raise RowIndexMismatchError(
-                text[text.rindex(tag) + len(tag) :].splitlines()[0]
-            ) from None
 
     return call

@@ -267,14 +267,7 @@ def test_t12_row_hash_check():
         check_row_hashes({"a": AuxSample(jnp.zeros(3))}, idx)
 
 
-def test_t12_runtime_raises_when_a_party_uses_other_rows():
-    data = linear_data({"a": 2, "b": 1}, 40)
-    vfl = nf.VerticalSFVI(
-        nf.augment(linear_model(subsample=10), 0.5),
-        nf.VerticalFamily(hidden=(3,)),
-        optax.sgd(0.01),
-    )
-    state = fresh_state(vfl, data)
+def _deviating_party(vfl):
     honest = vfl.round_keys
 
     def deviating(key):  # party b draws its own rows instead of the shared ones
@@ -282,11 +275,34 @@ def test_t12_runtime_raises_when_a_party_uses_other_rows():
         idx = dict(r.party_idx, b=jnp.roll(r.party_idx["b"], 1))
         return key, r._replace(party_idx=idx)
 
-    vfl.update(state, data)  # honest rounds pass the check
     vfl.round_keys = deviating
     vfl._built = {}
+
+
+def _subsampled():
+    data = linear_data({"a": 2, "b": 1}, 40)
+    vfl = nf.VerticalSFVI(
+        nf.augment(linear_model(subsample=10), 0.5),
+        nf.VerticalFamily(hidden=(3,)),
+        optax.sgd(0.01),
+    )
+    return vfl, data, fresh_state(vfl, data)
+
+
+def test_t12_runtime_raises_when_a_party_uses_other_rows():
+    vfl, data, state = _subsampled()
+    vfl.update(state, data)  # honest rounds pass the check
+    _deviating_party(vfl)
     with pytest.raises(RowIndexMismatchError, match=r"\['b'\]"):
         vfl.update(state, data)
+
+
+@pytest.mark.slow
+def test_t12_run_raises_when_a_party_uses_other_rows_inside_a_scan():
+    vfl, data, state = _subsampled()
+    _deviating_party(vfl)
+    with pytest.raises(RowIndexMismatchError, match=r"\['b'\]"):
+        vfl.run(None, 200, data, progress_bar=False, init_state=state)
 
 
 # ------------------------------------------------------------------------ T16
