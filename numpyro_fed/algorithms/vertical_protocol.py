@@ -182,7 +182,7 @@ def _raise_on_mismatch(server_hash: Any, hashes: dict) -> None:
     if bad:
         got = {p: np.asarray(hashes[p]).tolist() for p in bad}
         raise RowIndexMismatchError(
-            f"Row-index hashes differ in this round: part(ies) {bad} sent {got}, the "
+            f"Row-index hashes differ in this round: parties {bad} sent {got}, the "
             f"server's rows hash to {server_hash.tolist()}. Every party must use the "
             "row indices of the shared round key."
         )
@@ -197,6 +197,21 @@ def check_row_hashes(msgs: dict, idx: Any) -> None:
 
     :param dict msgs: party -> :class:`AuxSample`.
     :param idx: the server's row indices of the round, or ``None``.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import jax.numpy as jnp
+        >>> from numpyro_fed.algorithms.vertical_protocol import AuxSample, check_row_hashes
+        >>> from numpyro_fed.vertical.data import row_hash
+        >>> idx = jnp.array([3, 0, 2])
+        >>> msgs = {"a": AuxSample(jnp.zeros(3), row_hash(idx)),
+        ...         "b": AuxSample(jnp.zeros(3), row_hash(idx[::-1]))}
+        >>> check_row_hashes(msgs, idx)
+        Traceback (most recent call last):
+        ...
+        numpyro_fed.algorithms.vertical_protocol.RowIndexMismatchError: Row-index hashes differ ... ['b'] ...
     """
     if idx is None:
         return
