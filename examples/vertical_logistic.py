@@ -33,9 +33,10 @@ paper's heuristic, nothing more. Figures: ``examples/output/vertical_logistic_el
 (ELBO traces) and ``examples/output/vertical_logistic_marginals.png`` (one
 coefficient's marginal under every fit).
 
-Run: ``python examples/vertical_logistic.py`` (J = 2, about 5 minutes on a loaded
-2-core machine), ``--full`` for the paper's whole grid (J = 2 and 10, about 15
-minutes), ``--quick`` for a one-cell smoke run.
+Run: ``python examples/vertical_logistic.py`` (J = 2: 5 minutes on a 2-core machine),
+``--full`` for the paper's whole grid (J = 2 and 10: 42 minutes wall clock, 23 CPU
+minutes, on a 2-core machine shared with other jobs), ``--quick`` for a one-cell
+smoke run (1 minute).
 """
 
 import argparse
