@@ -225,11 +225,12 @@ class FedGVI(PVI):
         >>> fed = nf.federate(model, silos="data")
         >>> x = jnp.linspace(-2, 2, 40)
         >>> data = nf.FederatedData.from_groups(jnp.arange(40) % 4, x=x, y=1.0 * (x > 0))
-        >>> gvi = nf.FedGVI(fed, loss=("gce", 0.5), divergence=("renyi", 0.5),
-        ...                 local_steps=20, schedule="sequential")
+        >>> gvi = nf.FedGVI(fed, loss=("gce", 0.5), local_steps=20, schedule="sequential")
         >>> result = gvi.run(jax.random.key(0), 1, data, progress_bar=False)
         >>> bool(result.params.eta_global["loc"][0] > 0)
         True
+        >>> # A Renyi-alpha divergence in place of KL (variational cavity by Newton):
+        >>> renyi = nf.FedGVI(fed, loss=("gce", 0.5), divergence=("renyi", 0.5))
     """
 
     def __init__(

@@ -47,7 +47,13 @@ def test_aggregation_identity():
     )
 
 
-@pytest.mark.parametrize("full", [True, False], ids=["full", "diag"])
+@pytest.mark.parametrize(
+    "full",
+    [
+        pytest.param(True, id="full", marks=pytest.mark.slow),
+        pytest.param(False, id="diag"),
+    ],
+)
 def test_kl_cavity_is_the_pvi_cavity_and_renyi_is_stationary(full):
     """Test 1: with D = KL the variational cavity is prior * exp(eta) (PVI's q / t_m);
     with Renyi the Newton solution is a stationary point of the GVI objective, and

@@ -231,7 +231,7 @@ def _logistic_data(n=80, seed=2):
     return X, y
 
 
-@pytest.mark.parametrize("rho", [1.0, 0.5])
+@pytest.mark.parametrize("rho", [1.0, pytest.param(0.5, marks=pytest.mark.slow)])
 def test_parallel_natural_steps_are_partition_invariant(rho):
     """T10 (Property 5): one natural-gradient step per round, synchronous: the q
     trajectory is the same for M = 1, 4 and N silos."""

@@ -137,8 +137,21 @@ def _numpyro_params(guide, server, silos, data):
     return out
 
 
-@pytest.mark.parametrize("stl", [True, False], ids=["stl", "reparam"])
-@pytest.mark.parametrize("name", list(MODELS))
+# Compile-bound: two of the six model/estimator pairs run by default, all under -m slow.
+@pytest.mark.parametrize(
+    "name, stl",
+    [
+        pytest.param(name, stl, id=f"{name}-{'stl' if stl else 'reparam'}", marks=marks)
+        for name in MODELS
+        for stl in (True, False)
+        for marks in [
+            ()
+            if (name, stl)
+            in {("glmm", True), ("hierarchical", False), ("logistic", True)}
+            else pytest.mark.slow
+        ]
+    ],
+)
 def test_gradient_equals_pooled(name, stl, num_silos=3):
     """T1 + T2: server term + sum of silo terms (and their gradients) equal the
     centralized ELBO (and its gradient) on pooled data, on the same draw."""
@@ -181,9 +194,9 @@ def _numpyro_svi_losses(fed, guide, svi, data, num_steps, optim):
 @pytest.mark.parametrize(
     "name, num_silos",
     [
-        ("hierarchical", 1),
+        pytest.param("hierarchical", 1, marks=pytest.mark.slow),
         ("hierarchical", 3),
-        ("hierarchical", "units"),
+        pytest.param("hierarchical", "units", marks=pytest.mark.slow),
         ("glmm", 3),
         ("logistic", 3),
     ],
@@ -202,7 +215,13 @@ def test_matches_numpyro_svi_step_for_step(name, num_silos):
     m.tree_allclose(ours, {k: ref.params[k] for k in ours}, rtol=1e-8, atol=1e-10)
 
 
-@pytest.mark.parametrize("guide_kwargs", list(GUIDES.values()), ids=list(GUIDES))
+@pytest.mark.parametrize(
+    "guide_kwargs",
+    [
+        pytest.param(GUIDES["full"], id="full", marks=pytest.mark.slow),
+        pytest.param(GUIDES["diag"], id="diag"),
+    ],
+)
 def test_partition_invariance(guide_kwargs):
     """T3: with per-unit local factors and per-unit noise, J = 1, 3 and one silo per
     unit give the same STL trajectory up to summation order."""
