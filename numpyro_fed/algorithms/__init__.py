@@ -36,6 +36,7 @@ from numpyro_fed.algorithms.sgld import (
     fsgld,
 )
 from numpyro_fed.algorithms.vertical import (
+    RowIndexMismatchError,
     VerticalParams,
     VerticalSFVI,
     VerticalSFVIState,
@@ -71,6 +72,7 @@ __all__ = [
     "SFVIState",
     "RunResult",
     "sfvi",
+    "RowIndexMismatchError",
     "VerticalParams",
     "VerticalSFVI",
     "VerticalSFVIState",
