@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from numpyro import handlers
 from numpyro.distributions import biject_to, constraints
+from numpyro.infer.inspect import get_dependencies
 
 from numpyro_fed.vertical.augment import (
     AugmentedModel,
@@ -24,6 +25,7 @@ __all__ = [
     "LatentSpec",
     "VerticalStructure",
     "fill_values",
+    "likelihood_dependencies",
     "owner_log_density",
     "owners",
     "vertical_structure",
@@ -159,6 +161,83 @@ def vertical_structure(model: AugmentedModel, arrays: dict) -> VerticalStructure
         rows,
         tuple(sorted(probe.likelihood)),
     )
+
+
+def likelihood_dependencies(model: AugmentedModel, arrays: dict) -> dict:
+    """
+    The latent sites each observed site of ``model`` reads directly (its parents in
+    :func:`numpyro.infer.inspect.get_dependencies`), checked against the split:
+    an owner's observed site may read the server's latents, its own latents (a
+    party's power-likelihood copy reads its exact :math:`g_j`) and *other* parties'
+    auxiliaries :math:`z_k`, nothing else. In the augmented model the likelihood
+    :math:`p(y\\mid z,\\gamma)` thus reads party :math:`j` only through
+    :math:`z_j`, which is what lets the server evaluate it without any
+    :math:`\\theta_j`.
+
+    The check sees ``sample`` sites only: a party's ``numpyro.param`` used in the
+    likelihood is not a site of the dependency graph (the gradient of
+    :func:`owner_log_density` with respect to it reveals it).
+
+    :param AugmentedModel model: from :func:`~numpyro_fed.augment`.
+    :param dict arrays: the model's keyword arguments (e.g. ``data.pooled()``).
+    :return: observed site -> sorted tuple of the latent sites it reads.
+    :raises VerticalModelError: if an observed site reads another party's latent
+        (e.g. a :math:`\\theta_j` in the likelihood's scale) or its own auxiliary.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import jax.numpy as jnp
+        >>> import numpyro, numpyro.distributions as dist
+        >>> import numpyro_fed as nf
+        >>> from numpyro_fed.vertical.structure import likelihood_dependencies
+        >>> def model(x1, x2, y=None):
+        ...     s = numpyro.sample("s", dist.HalfNormal(1.0))
+        ...     with nf.vertical("a"):
+        ...         e1 = nf.contribution("a", x1 * numpyro.sample("b1", dist.Normal(0, 1)))
+        ...     with nf.vertical("b"):
+        ...         e2 = nf.contribution("b", x2 * numpyro.sample("b2", dist.Normal(0, 1)))
+        ...     with numpyro.plate("rows", x1.shape[0]):
+        ...         numpyro.sample("y", dist.Normal(e1 + e2, s), obs=y)
+        >>> likelihood_dependencies(nf.augment(model, 0.5), dict(x1=jnp.ones(3), x2=jnp.ones(3), y=jnp.zeros(3)))
+        {'y': ('a/z', 'b/z', 's')}
+    """
+    if not isinstance(model, AugmentedModel):
+        raise TypeError(
+            "Expected an augmented model (nf.augment(model, rho, kind)), got "
+            f"{type(model).__name__}."
+        )
+    tr = handlers.trace(handlers.seed(model, jax.random.key(0))).get_trace(**arrays)
+    latent_owner = {
+        name: party_of(site) or SERVER
+        for name, site in tr.items()
+        if site["type"] == "sample" and not site["is_observed"]
+    }
+    aux_of = {z_name(p): p for p in set(latent_owner.values()) - {SERVER}}
+    deps = get_dependencies(model, model_kwargs=arrays)["prior_dependencies"]
+    out = {}
+    for name, site in tr.items():
+        if site["type"] != "sample" or not site["is_observed"]:
+            continue
+        owner = party_of(site) or SERVER
+        parents = tuple(sorted(k for k in deps.get(name, {}) if k != name))
+        for parent in parents:
+            holder = latent_owner.get(parent, SERVER)
+            if parent in aux_of:
+                ok = aux_of[parent] != owner
+            else:
+                ok = holder in (SERVER, owner)
+            if not ok:
+                what = "its own auxiliary" if holder == owner else f"party {holder!r}'s"
+                raise VerticalModelError(
+                    f"Observed site {name!r} (held by {owner!r}) reads {what} latent "
+                    f"{parent!r} directly: a party may enter another owner's "
+                    "likelihood only through its contribution (nf.contribution), "
+                    "which the augmented model replaces by its auxiliary."
+                )
+        out[name] = parents
+    return out
 
 
 def fill_values(structure: VerticalStructure, values: dict) -> dict:
