@@ -52,6 +52,7 @@ from numpyro_fed.vertical import (
     VerticalModelError,
     augment,
     contribution,
+    likelihood_dependencies,
     vertical,
 )
 
@@ -94,6 +95,7 @@ __all__ = [
     "sfvi_avg",
     "sgld_diagnostics",
     "silo_log_density",
+    "likelihood_dependencies",
     "silo_plate",
     "split_dirichlet",
     "split_iid",

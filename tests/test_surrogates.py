@@ -228,7 +228,9 @@ def student_model(x):
         numpyro.sample("x", dist.StudentT(2.0, mu, 1.0).to_event(1), obs=x)
 
 
-@pytest.mark.parametrize("covariance", ["full", "diag"])
+@pytest.mark.parametrize(
+    "covariance", [pytest.param("full", marks=pytest.mark.slow), "diag"]
+)
 def test_taylor_matches_the_silo_gradient_and_curvature_at_the_point(covariance):
     """At the shared point the surrogate's gradient is the silo's exactly; the
     precision is minus the Hessian (its diagonal), clipped where the curvature is

@@ -6,7 +6,11 @@ from numpyro_fed.vertical.augment import AugmentedModel, VerticalModelError, aug
 from numpyro_fed.vertical.data import VerticalData
 from numpyro_fed.vertical.families import VerticalFamily
 from numpyro_fed.vertical.markers import contribution, vertical
-from numpyro_fed.vertical.structure import VerticalStructure, vertical_structure
+from numpyro_fed.vertical.structure import (
+    VerticalStructure,
+    likelihood_dependencies,
+    vertical_structure,
+)
 
 __all__ = [
     "AugmentedModel",
@@ -16,6 +20,7 @@ __all__ = [
     "VerticalStructure",
     "augment",
     "contribution",
+    "likelihood_dependencies",
     "vertical",
     "vertical_structure",
 ]

@@ -82,6 +82,7 @@ def scale_model(y):
         numpyro.sample("y", dist.Normal(mu, sigma), obs=y)
 
 
+@pytest.mark.slow
 def test_non_gaussian_prior_factor_reaches_global_vi():
     """A HalfCauchy scale is not Gaussian in unconstrained space: the server refines an
     in-family factor t_0 for it (Bui et al., App. B.2). With the deterministic
