@@ -89,17 +89,18 @@ def test_one_pass_is_bayesian_updating():
     """T2 (VCL): after silos 0..j, q is the exact posterior given their data."""
     pvi = _natural(damping=1.0)
     state = pvi.init(jax.random.key(0), DATA)
+    one = nf.PVI(
+        FED,
+        pvi.guide,
+        schedule="sequential",
+        local_solver="natural",
+        local_steps=1,
+        damping=1.0,
+    )
+    start = one.init(jax.random.key(0), DATA)
     for j in range(1, len(SIZES) + 1):
         seen = np.arange(len(SIZES)) < j
-        one = nf.PVI(
-            FED,
-            pvi.guide,
-            schedule="sequential",
-            local_solver="natural",
-            local_steps=1,
-            damping=1.0,
-        )
-        state_j, _ = one.update(one.init(jax.random.key(0), DATA), DATA, seen)
+        state_j, _ = one.update(start, DATA, seen)
         rows = np.isin(GROUPS, np.flatnonzero(seen))
         mean, prec = _exact(X[rows], Y[rows])
         np.testing.assert_allclose(state_j.server.q.prec, prec, rtol=1e-10)

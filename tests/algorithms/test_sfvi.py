@@ -197,7 +197,7 @@ def _numpyro_svi_losses(fed, guide, svi, data, num_steps, optim):
         pytest.param("hierarchical", 1, marks=pytest.mark.slow),
         ("hierarchical", 3),
         pytest.param("hierarchical", "units", marks=pytest.mark.slow),
-        ("glmm", 3),
+        pytest.param("glmm", 3, marks=pytest.mark.slow),
         ("logistic", 3),
     ],
 )
