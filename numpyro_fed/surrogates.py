@@ -266,14 +266,15 @@ def _fit_taylor(log_target, u0):
     negative Hessian with its negative curvature clipped to a small positive floor
     (so the Gaussian is proper), centred one Newton step from ``u0``. Its gradient
     equals the target's at ``u0`` exactly, which is what makes it a good control
-    variate near ``u0`` (the idea of SGLD-CV, Baker et al. 2019)."""
+    variate near ``u0`` (the idea of SGLD-CV, Baker et al. 2019). Also returns the
+    gradient, which the diagonal form reuses."""
     grad = jax.grad(log_target)(u0)
     hess = -jax.hessian(log_target)(u0)
     eig, vec = jnp.linalg.eigh(0.5 * (hess + hess.T))
     eig = jnp.maximum(eig, 1e-8 * jnp.max(jnp.abs(eig)))
     precision = (vec * eig) @ vec.T
     mean = u0 + (vec / eig) @ (vec.T @ grad)
-    return mean, precision
+    return mean, precision, grad
 
 
 def _fit_sgld(log_target, u0, key, step_size, num_warmup, num_samples, dim, diagonal):
@@ -472,13 +473,13 @@ def fit_surrogates(
             mode, hess = _fit_laplace(log_target, u0, num_steps)
             return _marginal(mode, hess, dim, diagonal, True)
         if method == "taylor":
-            mean, precision = _fit_taylor(log_target, u0)
+            mean, precision, grad = _fit_taylor(log_target, u0)
             if diagonal and precision.shape[0] == dim:
                 # The curvature along each axis, not the marginal precision: the
                 # control variate should follow the gradient's change coordinate by
                 # coordinate, and keep the target's gradient at u0.
                 prec = jnp.diag(precision)
-                return prec, prec * u0 + jax.grad(log_target)(u0)
+                return prec, prec * u0 + grad
             return _marginal(mean, precision, dim, diagonal, True)
         if method == "sgld":
             mean, cov = _fit_sgld(
