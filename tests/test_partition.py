@@ -146,6 +146,7 @@ def test_federated_model_is_still_an_ordinary_model():
 def test_param_without_constraint_is_real():
     """A numpyro.param with no constraint argument is unconstrained (NumPyro's
     default), not an error."""
+
     def model(y):
         shift = numpyro.param("shift", 0.5)
         mu = numpyro.sample("mu", dist.Normal(shift, 1.0))

@@ -103,6 +103,37 @@ def test_t13_local_sgld_moment_matching_within_monte_carlo_error(blobs):
     assert n == len(xs[0])
 
 
+def test_thinned_sgld_moments_match_a_slowly_mixing_chain(blobs):
+    """With h * lambda ~ 0.01 consecutive Langevin draws are nearly equal (lag-1
+    autocorrelation 0.995), so 2,000 of them carry the information of ~5; 2,000 draws
+    thinned by 200 carry that of hundreds and match the ULA target within that
+    Monte Carlo error."""
+    xs, data = blobs
+    h, draws, thin = 2e-4, 2000, 200
+    q = nf.fit_surrogates(
+        blob_model,
+        data,
+        method="sgld",
+        covariance="diag",
+        step_size=h,
+        num_warmup=5000,
+        num_samples=draws,
+        thinning=thin,
+        rng_key=jax.random.key(4),
+    )
+    mean, var = surrogate_moments(q)
+    for s, x in enumerate(xs):
+        lam = len(x)
+        a = (1 - h * lam / 2) ** thin  # autocorrelation between kept draws
+        stationary = 1 / (lam * (1 - h * lam / 4))
+        ess = draws * (1 - a) / (1 + a)
+        assert ess > 500
+        assert np.all(np.abs(mean[s] - x.mean(0)) < 5 * np.sqrt(stationary / ess))
+        np.testing.assert_allclose(var[s], stationary, rtol=5 * np.sqrt(2 / ess))
+    with pytest.raises(ValueError, match="thinning must be an integer >= 1"):
+        nf.fit_surrogates(blob_model, data, "sgld", step_size=h, thinning=0)
+
+
 @pytest.mark.parametrize("covariance", ["full", "diag"])
 def test_t13_vi_recovers_gaussian_silos(blobs, covariance):
     xs, data = blobs

@@ -312,6 +312,7 @@ def test_sequential_runtime_equals_simulation():
     m.tree_allclose(a.params, b.params, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.slow
 def test_jit_equals_eager_and_no_recompile():
     fed, guide, svi, data = _setup("logistic", 3)
     state = svi.init(jax.random.key(0), data)
@@ -389,13 +390,12 @@ def test_server_update_is_symmetric_in_silos():
     algorithm, _ = svi._build(data)
     keys = noise_keys(jax.random.key(1), 1)
     message = algorithm.server_message(state.server, keys)
-    replies, _ = jax.vmap(algorithm.silo_step, in_axes=(None, 0, 0, None))(
+    replies, _ = jax.jit(jax.vmap(algorithm.silo_step, in_axes=(None, 0, 0, None)))(
         message, state.silos, silo_data_of(data), keys
     )
-    a, _ = algorithm.server_step(state.server, replies, keys)
-    b, _ = algorithm.server_step(
-        state.server, jax.tree.map(lambda x: x[::-1], replies), keys
-    )
+    server_step = jax.jit(algorithm.server_step)  # one compile, two orders
+    a, _ = server_step(state.server, replies, keys)
+    b, _ = server_step(state.server, jax.tree.map(lambda x: x[::-1], replies), keys)
     m.tree_allclose(a, b, rtol=1e-12)
 
 
@@ -419,6 +419,7 @@ def test_non_finite_silo_message_is_rejected():
     assert jnp.all(jnp.isfinite(silos.eta_local["loc"][0]))
 
 
+@pytest.mark.slow
 def test_partition_invariance_needs_per_unit_noise():
     """T3, negative case: when each silo draws local noise from a key of its own (as a
     deployment does), re-partitioning changes the draws, hence the trajectory; the
@@ -432,6 +433,7 @@ def test_partition_invariance_needs_per_unit_noise():
     assert not np.allclose(losses[0], losses[1], rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_silo_wide_local_covariance_breaks_partition_invariance():
     """T3, negative case: with one local covariance per silo (local_cov="silo") the
     family depends on the partition. Both runs start from the same q (the silo factor
