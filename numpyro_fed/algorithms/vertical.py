@@ -51,6 +51,7 @@ from numpyro_fed.vertical.structure import (
     SERVER,
     VerticalStructure,
     fill_values,
+    likelihood_dependencies,
     vertical_structure,
 )
 
@@ -252,6 +253,10 @@ class VerticalSFVI:
                 f"The rows plate {structure.rows[0]!r} has size {structure.rows[1]} but "
                 f"the data have {data.num_rows} rows."
             )
+        # A likelihood that reads a party other than through its auxiliary would
+        # make the server's term depend on that party's latents: refuse it here
+        # rather than run a protocol that silently drops those gradients.
+        likelihood_dependencies(self.model, data.pooled())
         self.structure = structure
         self.family.setup(
             structure, {p: self.model.rho_of(p) for p in structure.parties}

@@ -128,6 +128,13 @@ def test_t13_a_party_latent_in_the_likelihood_is_reported():
         likelihood_dependencies(nf.augment(_leaky, 0.5, "power"), arrays)
     with pytest.raises(TypeError, match="Expected an augmented model"):
         likelihood_dependencies(_leaky, arrays)
+    # VerticalSFVI runs the check when it traces the model, before any round
+    vfl = nf.VerticalSFVI(
+        nf.augment(_leaky, 0.5), nf.VerticalFamily(), optax.adam(0.01)
+    )
+    with pytest.raises(nf.VerticalModelError, match="party 'a''s latent 'beta_a'"):
+        vfl.setup(fx.rich_data())
+    assert vfl.structure is None
 
 
 def _server_grads(aug, data, seed):
