@@ -126,6 +126,7 @@ def contaminated_logistic(X, y):
         numpyro.sample("y", dist.Bernoulli(logits=X @ w), obs=y)
 
 
+@pytest.mark.slow
 def test_robust_loss_resists_label_contamination():
     """Seed 004 test 4: flipped labels on two of five silos pull PVI's slope towards
     zero; Fed-GVI with a generalized cross-entropy loss keeps more of it and scores a

@@ -277,6 +277,7 @@ def test_padding_invariance():
     )
 
 
+@pytest.mark.slow
 def test_federate_equals_silo_plate():
     """nf.federate on the unedited model is the same as writing nf.silo_plate."""
 
@@ -297,6 +298,7 @@ def test_federate_equals_silo_plate():
     np.testing.assert_array_equal(losses[0], losses[1])
 
 
+@pytest.mark.slow
 def test_sequential_runtime_equals_simulation():
     """The vmapped round equals stepping silos one at a time."""
     fed, guide, svi, data = _setup("glmm", 3)

@@ -9,6 +9,7 @@ import numpyro
 import numpyro.distributions as dist
 from numpyro.infer import SVI, Trace_ELBO
 import optax
+import pytest
 
 import numpyro_fed as nf
 from numpyro_fed.families.structured import _unit_tril
@@ -130,6 +131,7 @@ def _one_round(lr, num_silos=4):
     return sfvi.get_params(state), sfvi.get_params(one), avg.get_params(other)
 
 
+@pytest.mark.slow
 def test_sfvi_avg_one_step_is_sfvi_up_to_the_scale_parameterization():
     """T9: with SGD, equal N_j, no local latents, a diagonal Gaussian and shared noise,
     the averaged mean update of SFVI-Avg(1) is SFVI's update exactly (both linear in the

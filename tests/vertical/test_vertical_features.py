@@ -223,6 +223,7 @@ def test_t10_row_permutation_leaves_results_unchanged():
 
 
 # ------------------------------------------------------------------------ T12
+@pytest.mark.slow
 def test_t12_minibatch_elbo_is_unbiased_with_shared_rows():
     widths, n, batch, keys = {"a": 2, "b": 1}, 40, 10, 2000
     data = linear_data(widths, n)

@@ -87,6 +87,7 @@ def test_t5_protocol_gradients_equal_joint_autodiff(kind, aux, cov):
     assert _max_rel(protocol, joint) < 1e-6
 
 
+@pytest.mark.slow
 def test_t5_mutation_a_fresh_draw_at_the_update_biases_the_gradient():
     data = fx.rich_data()
     vfl = nf.VerticalSFVI(
