@@ -8,10 +8,10 @@ import jax
 import numpy as np
 
 
-def interleaved_medians(steps, states, repeats):
-    """Median time of each ``step(state) -> (state, out)``, after one compile-and-warm-up
-    call each; the steps are timed alternately so that load on the machine affects all
-    of them alike."""
+def interleaved_times(steps, states, repeats, statistic=np.median):
+    """``statistic`` (default: the median) of the times of each
+    ``step(state) -> (state, out)``, after one compile-and-warm-up call each; the steps
+    are timed alternately so that load on the machine affects all of them alike."""
     states = list(states)
     for i, step in enumerate(steps):
         states[i], out = step(states[i])
@@ -23,4 +23,4 @@ def interleaved_medians(steps, states, repeats):
             states[i], out = step(states[i])
             jax.block_until_ready((states[i], out))
             times[i].append(time.perf_counter() - start)
-    return [float(np.median(t)) for t in times]
+    return [float(statistic(t)) for t in times]

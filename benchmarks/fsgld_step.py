@@ -28,6 +28,7 @@ from pathlib import Path
 import platform
 import time
 
+from _timing import interleaved_times  # benchmarks/ is on sys.path
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,19 +54,6 @@ def synthetic(num_rows, num_features, seed=0):
     beta = rng.normal(size=num_features) / np.sqrt(num_features)
     y = (rng.uniform(size=num_rows) < 1 / (1 + np.exp(-X @ beta))).astype(float)
     return X, y
-
-
-def _interleaved(fns, states, repeats):
-    states = list(states)
-    for i, fn in enumerate(fns):  # compile and warm up
-        states[i] = jax.block_until_ready(fn(states[i]))
-    times = [[] for _ in fns]
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            start = time.perf_counter()
-            states[i] = jax.block_until_ready(fn(states[i]))
-            times[i].append(time.perf_counter() - start)
-    return [float(np.min(t)) for t in times]
 
 
 def step_cost(num_silos, rows_per_silo=1000, batch=50, num_steps=1000, repeats=15):
@@ -116,7 +104,8 @@ def step_cost(num_silos, rows_per_silo=1000, batch=50, num_steps=1000, repeats=1
 
         fns.append(jax.jit(scan))
         states.append(init(pot, {"beta": jnp.zeros(20)}, jax.random.key(0)))
-    times = _interleaved(fns, states, repeats)
+    steps = [lambda state, fn=fn: (fn(state), None) for fn in fns]
+    times = interleaved_times(steps, states, repeats, statistic=np.min)
     row = {
         "num_silos": num_silos,
         "batch": batch,

@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 import platform
 
-from _timing import interleaved_medians  # benchmarks/ is on sys.path
+from _timing import interleaved_times  # benchmarks/ is on sys.path
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -86,7 +86,7 @@ def bench(num_silos, local_steps, args):
         state, losses = jax.lax.scan(body, state, length=local_steps)
         return state, losses[-1]
 
-    t_round, t_svi = interleaved_medians(
+    t_round, t_svi = interleaved_times(
         [pvi_step, svi_steps], [pvi_state, svi_state], args.repeats
     )
     return {
