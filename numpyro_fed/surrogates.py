@@ -287,7 +287,7 @@ def _fit_sgld(
         return u + 0.5 * step_size * grad(u) + noise
 
     def step(u, k):
-        if thinning == 1:
+        if thinning == 1:  # the unthinned chain keeps its keys, hence its draws
             return langevin(u, k)
         return jax.lax.fori_loop(
             0, thinning, lambda i, u: langevin(u, jax.random.fold_in(k, i)), u
