@@ -5,7 +5,8 @@ one centralized NumPyro SVI step on the same augmented model with the same famil
 (``vfl.numpyro_guide``), the state's size against n (amortized vs mean-field), and
 J = 10 equal parties run as one vmapped call vs one after another in the round.
 
-Ratios are against the reference measured in the same run. Writes
+Ratios are against the reference measured in the same run; each time is the median
+over ``--repeats`` calls, the round and the SVI step timed alternately. Writes
 ``benchmarks/results/vertical_round.json``.
 
 Run: ``python benchmarks/vertical_round.py [--repeats 200]``.
@@ -17,6 +18,7 @@ import pathlib
 import platform
 import time
 
+from _timing import interleaved_times  # benchmarks/ is on sys.path
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -59,29 +61,18 @@ def make_data(n, p=20, seed=0):
     )
 
 
-def timed(fn, state, repeats):
-    # the runtime's step blocks on its result (it checks the server's row hashes)
-    state = fn(state)  # compile
-    jax.block_until_ready(state)
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        state = fn(state)
-    jax.block_until_ready(state)
-    return (time.perf_counter() - t0) / repeats
-
-
 def round_vs_svi(n, aux, repeats):
     data = make_data(n)
     aug = nf.augment(model, 1.0)
     vfl = nf.VerticalSFVI(aug, nf.VerticalFamily(aux=aux), optax.adam(1e-2))
     state = vfl.init(jax.random.key(0), data)
-    step = vfl._step_fn(vfl._views(data))
-    t_fed = timed(lambda s: step(s)[0], state, repeats)
+    step_fn = vfl._step_fn(vfl._views(data))
+    step = lambda s: step_fn(s)[:2]  # noqa: E731 (state, loss)
     raws = {"server": state.server.raw, **{p: s.raw for p, s in state.parties.items()}}
     svi = SVI(aug, vfl.numpyro_guide(raws), optax.adam(1e-2), Trace_ELBO())
     svi_state = svi.init(jax.random.key(0), **data.pooled())
-    update = jax.jit(lambda s: svi.update(s, **data.pooled())[0])
-    t_svi = timed(update, svi_state, repeats)
+    update = jax.jit(lambda s: svi.update(s, **data.pooled()))
+    t_fed, t_svi = interleaved_times([step, update], [state, svi_state], repeats)
     return t_fed, t_svi
 
 
@@ -130,8 +121,11 @@ def vmap_vs_loop(n, J, repeats):
         t0 = time.perf_counter()
         state = vfl.init(jax.random.key(0), data)  # traces, probes, compiles, 1 round
         t_init = time.perf_counter() - t0
-        step = vfl._step_fn(vfl._views(data))
-        out[vmap] = (t_init, timed(lambda s, step=step: step(s)[0], state, repeats))
+        step_fn = vfl._step_fn(vfl._views(data))
+        (t_round,) = interleaved_times(
+            [lambda s, f=step_fn: f(s)[:2]], [state], repeats
+        )
+        out[vmap] = (t_init, t_round)
         assert len(vfl.party_groups) == (1 if vmap else J)
     return out
 
