@@ -34,6 +34,27 @@ def gaussian_model(sigma=SIGMA, tau=TAU):
     return model
 
 
+def gaussian_model_latent_noise(tau=TAU):
+    """The Gaussian fixture with server latents: an intercept and the noise scale."""
+
+    def model(x_a, x_b, x_c, y=None):
+        b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+        sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
+        etas = []
+        for name, x in zip(PARTIES, (x_a, x_b, x_c), strict=True):
+            with nf.vertical(name):
+                beta = numpyro.sample(
+                    f"beta_{name}",
+                    dist.Normal(0.0, tau).expand([x.shape[1]]).to_event(1),
+                )
+                with numpyro.plate("rows", x.shape[0]):
+                    etas.append(nf.contribution(name, x @ beta))
+        with numpyro.plate("rows", x_a.shape[0]):
+            numpyro.sample("y", dist.Normal(b + sum(etas), sigma), obs=y)
+
+    return model
+
+
 def gaussian_data(n=40, p=2, seed=0, labels="server", placeholder=float("nan")):
     rng = np.random.default_rng(seed)
     xs = {k: rng.normal(size=(n, p)) for k in PARTIES}

@@ -206,20 +206,23 @@ def test_t13_the_server_function_takes_no_party_parameter():
 
 
 # ------------------------------------------------------------------------ T14
-def _prior_init(rho, key=0):
-    """The augmented Gaussian fixture, its amortized family set up, and raw
-    parameters as initialized, with q(theta_j) moved off its starting point
-    (random mean and Cholesky factor: the identity holds for any q(theta))."""
+def _prior_init(rho, key=0, model=None):
+    """The augmented Gaussian fixture (or ``model``), its amortized family set up,
+    and raw parameters as initialized, with every owner's q(theta) moved off its
+    starting point (random mean and Cholesky factor: the identity holds for any
+    q(theta))."""
     data = fx.gaussian_data()
-    aug = nf.augment(fx.gaussian_model(), rho)
+    aug = nf.augment(model or fx.gaussian_model(), rho)
     vfl = nf.VerticalSFVI(aug, nf.VerticalFamily(), optax.adam(0.01))
     st = vfl.setup(data)
-    keys = jax.random.split(jax.random.key(key), 3 * len(st.parties) + 1)
-    raws = {SERVER: vfl.family.init(SERVER, keys[0])}
-    for i, p in enumerate(st.parties):
-        raw = vfl.family.init(p, keys[3 * i + 1])
-        raw["loc"] = jax.random.normal(keys[3 * i + 2], raw["loc"].shape)
-        raw["tril"] = 0.1 * jax.random.normal(keys[3 * i + 3], raw["tril"].shape)
+    owners = (SERVER,) + tuple(st.parties)
+    keys = jax.random.split(jax.random.key(key), 3 * len(owners))
+    raws = {}
+    for i, p in enumerate(owners):
+        raw = vfl.family.init(p, keys[3 * i])
+        if "loc" in raw:
+            raw["loc"] = jax.random.normal(keys[3 * i + 1], raw["loc"].shape)
+            raw["tril"] = 0.1 * jax.random.normal(keys[3 * i + 2], raw["tril"].shape)
         raws[p] = raw
     return data, aug, vfl, raws
 
@@ -228,17 +231,19 @@ def _sum_rho_sq(rho):
     return sum(r**2 for r in rho.values()) if isinstance(rho, dict) else 3 * rho**2
 
 
-def _augmented_minus_original(vfl, aug, data, raws, theta_key):
+def _augmented_minus_original(vfl, aug, original_model, data, raws, theta_key):
     """At one theta drawn from q(theta): the exact E_{q(z|theta)} of
     F(z) = log p(y, z, theta) - log q(z | theta) (augmented model), and
-    log p(y, theta) (original model); with the scales of q(z | theta)."""
+    log p(y, theta) (original model); with theta, and q(z | theta) and the
+    contributions it was built from."""
     arrays = data.pooled()
     fam, parties = vfl.family, vfl.structure.parties
     theta, ps = {}, {}
-    for i, p in enumerate(parties):
+    for i, p in enumerate((SERVER,) + tuple(parties)):
         ps[p] = fam.constrain(p, raws[p])
-        eps = jax.random.normal(jax.random.fold_in(theta_key, i), (fam.dim(p),))
-        theta.update(fam.draw_latents(p, ps[p], ps[p], eps)[0])
+        if "loc" in ps[p]:
+            eps = jax.random.normal(jax.random.fold_in(theta_key, i), (fam.dim(p),))
+            theta.update(fam.draw_latents(p, ps[p], ps[p], eps)[0])
     _, probe = handlers.seed(handlers.substitute(aug.run, data=theta), 0)(
         "probe", **arrays
     )
@@ -254,8 +259,8 @@ def _augmented_minus_original(vfl, aug, data, raws, theta_key):
     s2 = jnp.concatenate([qs[p].scale ** 2 for p in parties])
     # F is quadratic in z and q(z | theta) is N(m, diag(s2)): E F = F(m) + tr(H S)/2
     expected_f = F(m) + 0.5 * jnp.sum(s2 * jnp.diag(jax.hessian(F)(m)))
-    original = log_density(fx.gaussian_model(), (), arrays, theta)[0]
-    return expected_f, original, qs, probe.contributions
+    original = log_density(original_model, (), arrays, theta)[0]
+    return expected_f, original, theta, qs, probe.contributions
 
 
 @pytest.mark.parametrize("rho", [fx.RHO, {"a": 0.2, "b": 0.4, "c": 0.6}])
@@ -284,9 +289,12 @@ def test_t14_prior_init_gives_the_gaussian_elbo_identity_exactly(rho):
     """
     data, aug, vfl, raws = _prior_init(rho)
     gap = data.num_rows * _sum_rho_sq(rho) / (2 * fx.SIGMA**2)
-    at_theta = jax.jit(partial(_augmented_minus_original, vfl, aug, data))
+    original_model = fx.gaussian_model()
+    at_theta = jax.jit(
+        partial(_augmented_minus_original, vfl, aug, original_model, data)
+    )
     for seed in range(3):
-        ef, original, qs, u = at_theta(raws, jax.random.key(seed))
+        ef, original, _, qs, u = at_theta(raws, jax.random.key(seed))
         for p in fx.PARTIES:  # the initialized q(z | theta) is the prior
             r = rho[p] if isinstance(rho, dict) else rho
             assert jnp.max(jnp.abs(qs[p].loc - u[p])) == 0.0
@@ -294,8 +302,35 @@ def test_t14_prior_init_gives_the_gaussian_elbo_identity_exactly(rho):
         assert abs(ef - (original - gap)) < 1e-9, (ef, original, gap)
     # the check can fail: a residual head that does not start at zero breaks it
     raws["b"]["net"][-1]["b"] = raws["b"]["net"][-1]["b"] + 0.1
-    ef, original, _, _ = at_theta(raws, jax.random.key(0))
+    ef, original, *_ = at_theta(raws, jax.random.key(0))
     assert abs(ef - (original - gap)) > 1e-2
+
+
+def test_t14_identity_with_server_latents_holds_at_each_noise_scale():
+    r"""
+    The identity holds at every :math:`\theta`, so with the noise scale
+    :math:`\sigma` and an intercept among the server's latents, drawn from the
+    server's :math:`q`, the gap is :math:`n\sum_j\rho_j^2/(2\sigma^2)` at the
+    drawn :math:`\sigma` (and the augmented ELBO is the original minus its
+    expectation under :math:`q(\sigma)`).
+    """
+    original_model = fx.gaussian_model_latent_noise()
+    data, aug, vfl, raws = _prior_init(fx.RHO, model=original_model)
+    assert set(vfl.structure.latents[SERVER]) == {"b", "sigma"}
+    at_theta = jax.jit(
+        partial(_augmented_minus_original, vfl, aug, original_model, data)
+    )
+    sigmas = []
+    for seed in range(3):
+        ef, original, theta, *_ = at_theta(raws, jax.random.key(seed))
+        gap = data.num_rows * _sum_rho_sq(fx.RHO) / (2 * theta["sigma"] ** 2)
+        assert abs(ef - (original - gap)) < 1e-9, (ef, original, gap)
+        sigmas.append(float(theta["sigma"]))
+    # the draws differ, so a gap at any one fixed sigma fails for some of them
+    assert max(sigmas) / min(sigmas) > 1.05
+    ef, original, theta, *_ = at_theta(raws, jax.random.key(0))
+    fixed = data.num_rows * _sum_rho_sq(fx.RHO) / (2 * fx.SIGMA**2)
+    assert abs(ef - (original - fixed)) > 1e-2
 
 
 def _original_elbo(vfl, data, raws):
