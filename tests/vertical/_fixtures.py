@@ -15,19 +15,24 @@ PARTIES = ("a", "b", "c")
 SIGMA, TAU, RHO = 0.7, 1.5, 0.4
 
 
+def _party_contributions(xs, tau):
+    """Each party's N(0, tau) coefficients and its contribution x_j @ beta_j."""
+    etas = []
+    for name, x in zip(PARTIES, xs, strict=True):
+        with nf.vertical(name):
+            beta = numpyro.sample(
+                f"beta_{name}", dist.Normal(0.0, tau).expand([x.shape[1]]).to_event(1)
+            )
+            with numpyro.plate("rows", x.shape[0]):
+                etas.append(nf.contribution(name, x @ beta))
+    return etas
+
+
 def gaussian_model(sigma=SIGMA, tau=TAU):
     """The spec's Gaussian fixture: J = 3 parties, known noise, N(0, tau) priors."""
 
     def model(x_a, x_b, x_c, y=None):
-        etas = []
-        for name, x in zip(PARTIES, (x_a, x_b, x_c), strict=True):
-            with nf.vertical(name):
-                beta = numpyro.sample(
-                    f"beta_{name}",
-                    dist.Normal(0.0, tau).expand([x.shape[1]]).to_event(1),
-                )
-                with numpyro.plate("rows", x.shape[0]):
-                    etas.append(nf.contribution(name, x @ beta))
+        etas = _party_contributions((x_a, x_b, x_c), tau)
         with numpyro.plate("rows", x_a.shape[0]):
             numpyro.sample("y", dist.Normal(sum(etas), sigma), obs=y)
 
@@ -40,15 +45,7 @@ def gaussian_model_latent_noise(tau=TAU):
     def model(x_a, x_b, x_c, y=None):
         b = numpyro.sample("b", dist.Normal(0.0, 1.0))
         sigma = numpyro.sample("sigma", dist.HalfNormal(1.0))
-        etas = []
-        for name, x in zip(PARTIES, (x_a, x_b, x_c), strict=True):
-            with nf.vertical(name):
-                beta = numpyro.sample(
-                    f"beta_{name}",
-                    dist.Normal(0.0, tau).expand([x.shape[1]]).to_event(1),
-                )
-                with numpyro.plate("rows", x.shape[0]):
-                    etas.append(nf.contribution(name, x @ beta))
+        etas = _party_contributions((x_a, x_b, x_c), tau)
         with numpyro.plate("rows", x_a.shape[0]):
             numpyro.sample("y", dist.Normal(b + sum(etas), sigma), obs=y)
 
