@@ -95,7 +95,6 @@ __all__ = [
     "sfvi_avg",
     "sgld_diagnostics",
     "silo_log_density",
-    "likelihood_dependencies",
     "silo_plate",
     "split_dirichlet",
     "split_iid",
@@ -111,5 +110,6 @@ __all__ = [
     "VerticalSFVIState",
     "augment",
     "contribution",
+    "likelihood_dependencies",
     "vertical",
 ]
