@@ -91,16 +91,26 @@ def test_t13_local_sgld_moment_matching_within_monte_carlo_error(blobs):
         num_samples=draws,
         rng_key=jax.random.key(3),
     )
+    _assert_ula_moments(q, xs, h, draws, thinning=1)
+    assert n == len(xs[0])
+
+
+def _assert_ula_moments(q, xs, h, draws, thinning):
+    """The surrogates' moments against ULA's stationary law on each silo's
+    N(xbar, 1/lam) within 5 Monte Carlo standard errors; returns the effective
+    sample sizes."""
     mean, var = surrogate_moments(q)
+    sizes = []
     for s, x in enumerate(xs):
         lam = len(x)
-        a = 1 - h * lam / 2  # Langevin on N(xbar, 1/lam) is an AR(1) process
+        # Langevin on a Gaussian is an AR(1) process; this is its lag between draws
+        a = (1 - h * lam / 2) ** thinning
         stationary = 1 / (lam * (1 - h * lam / 4))  # ULA's known O(h) inflation
         ess = draws * (1 - a) / (1 + a)
-        se = np.sqrt(stationary / ess)
-        assert np.all(np.abs(mean[s] - x.mean(0)) < 5 * se)
+        assert np.all(np.abs(mean[s] - x.mean(0)) < 5 * np.sqrt(stationary / ess))
         np.testing.assert_allclose(var[s], stationary, rtol=5 * np.sqrt(2 / ess))
-    assert n == len(xs[0])
+        sizes.append(ess)
+    return sizes
 
 
 def test_thinned_sgld_moments_match_a_slowly_mixing_chain(blobs):
@@ -121,15 +131,7 @@ def test_thinned_sgld_moments_match_a_slowly_mixing_chain(blobs):
         thinning=thin,
         rng_key=jax.random.key(4),
     )
-    mean, var = surrogate_moments(q)
-    for s, x in enumerate(xs):
-        lam = len(x)
-        a = (1 - h * lam / 2) ** thin  # autocorrelation between kept draws
-        stationary = 1 / (lam * (1 - h * lam / 4))
-        ess = draws * (1 - a) / (1 + a)
-        assert ess > 500
-        assert np.all(np.abs(mean[s] - x.mean(0)) < 5 * np.sqrt(stationary / ess))
-        np.testing.assert_allclose(var[s], stationary, rtol=5 * np.sqrt(2 / ess))
+    assert min(_assert_ula_moments(q, xs, h, draws, thinning=thin)) > 500
     with pytest.raises(ValueError, match="thinning must be an integer >= 1"):
         nf.fit_surrogates(blob_model, data, "sgld", step_size=h, thinning=0)
 
