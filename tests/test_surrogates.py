@@ -213,6 +213,22 @@ def test_invalid_surrogates_and_settings_raise_clear_errors(blobs):
         nf.fit_surrogates(blob_model, data, prior_power=-1.0)
 
 
+@pytest.mark.parametrize("method", ["laplace", "sgld"])
+def test_silo_batches_fit_the_same_surrogates_as_one_vmap(blobs, method):
+    _, data = blobs  # 3 silos: batches of 1, and of 2 with a remainder
+    kwargs = dict(
+        method=method, step_size=1e-3, num_warmup=50, num_samples=200, prior_power=0.1
+    )
+    together = nf.fit_surrogates(blob_model, data, **kwargs)
+    for batch in (1, 2):
+        batched = nf.fit_surrogates(blob_model, data, silo_batch_size=batch, **kwargs)
+        for a, b in zip(batched, together, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    for bad in (0, 1.5):
+        with pytest.raises(ValueError, match="silo_batch_size must be None or an int"):
+            nf.fit_surrogates(blob_model, data, silo_batch_size=bad)
+
+
 def test_rank_deficient_local_likelihood_is_reported_and_prior_power_fixes_it():
     """A regression silo with one row cannot identify two coefficients: its Laplace
     precision is singular and the error names the silo; a share of the prior
