@@ -21,6 +21,7 @@ and keeps the marginal of :math:`z_G`, which approximates
 """
 
 from typing import Any, Callable, NamedTuple
+import warnings
 
 import jax
 from jax.flatten_util import ravel_pytree
@@ -41,6 +42,8 @@ __all__ = [
 ]
 
 _METHODS = ("laplace", "sgld", "vi", "taylor")
+# Relative gradient norm at which the Laplace fit has reached its mode.
+_LAPLACE_TOL = 1e-8
 
 
 class GaussianSurrogates(NamedTuple):
@@ -232,11 +235,16 @@ def _marginal(mean, cov_or_precision, dim, diagonal, is_precision):
     return prec, shift
 
 
-def _fit_laplace(log_target, u0, num_steps, tol=1e-8):
+def _fit_laplace(log_target, u0, num_steps, tol=_LAPLACE_TOL):
     """Mode by damped Newton (Levenberg-Marquardt): a step is kept only if it lowers
     the loss, and the damping shrinks after a success and grows after a failure, so
     it is Newton near a mode and gradient descent far from one. Exact in one step on
-    a Gaussian target, and much cheaper to compile than a line-search quasi-Newton."""
+    a Gaussian target, and much cheaper to compile than a line-search quasi-Newton.
+
+    Returns the last iterate, the negative Hessian there (made proper by
+    :func:`_proper_curvature` if it is not), the relative gradient norm before the
+    last step (above ``tol``: stopped by ``num_steps``) and whether the curvature
+    had to be clipped."""
     loss = lambda u: -log_target(u)
     eye = jnp.eye(u0.shape[0], dtype=u0.dtype)
 
@@ -252,13 +260,33 @@ def _fit_laplace(log_target, u0, num_steps, tol=1e-8):
         better = loss(proposal) <= value
         u = jnp.where(better, proposal, u)
         damping = jnp.where(better, damping / 10, damping * 10)
-        # The gradient scales with the silo's size: compare it to |value| + 1.
+        # The gradient scales with the silo's size: compare it to |value| + 1. It
+        # is the gradient before this step, so a converged fit ends with one more
+        # Newton step, which takes it to round-off.
         gnorm = jnp.max(jnp.abs(grad)) / (jnp.abs(value) + 1.0)
         return u, jnp.clip(damping, 1e-12, 1e12), i + 1, gnorm
 
     start = (u0, jnp.asarray(1e-3, u0.dtype), jnp.zeros((), jnp.int32), jnp.inf)
-    u, *_ = jax.lax.while_loop(cond, body, start)
-    return u, jax.hessian(loss)(u)
+    u, _, _, gnorm = jax.lax.while_loop(cond, body, start)
+    hess = jax.hessian(loss)(u)
+    eig, vec = jnp.linalg.eigh(0.5 * (hess + hess.T))
+    # Only curvature that is negative beyond round-off is clipped: a Hessian that is
+    # singular (a likelihood that does not identify every coordinate) is left for
+    # check_surrogates to report. A proper one is kept bit for bit.
+    improper = eig[0] < -1e-10 * jnp.max(jnp.abs(eig))
+    hess = jnp.where(improper, _proper_curvature(eig, vec), hess)
+    return u, hess, gnorm, improper
+
+
+def _curvature_floor(eig):
+    return 1e-8 * jnp.max(jnp.abs(eig))
+
+
+def _proper_curvature(eig, vec):
+    """The symmetric matrix ``vec diag(eig) vec^T`` with eigenvalues raised to a small
+    positive floor: a proper Gaussian that is nearly flat where the target curves
+    down, so a conducive gradient does (almost) nothing in those directions."""
+    return (vec * jnp.maximum(eig, _curvature_floor(eig))) @ vec.T
 
 
 def _fit_taylor(log_target, u0):
@@ -271,7 +299,7 @@ def _fit_taylor(log_target, u0):
     grad = jax.grad(log_target)(u0)
     hess = -jax.hessian(log_target)(u0)
     eig, vec = jnp.linalg.eigh(0.5 * (hess + hess.T))
-    eig = jnp.maximum(eig, 1e-8 * jnp.max(jnp.abs(eig)))
+    eig = jnp.maximum(eig, _curvature_floor(eig))
     precision = (vec * eig) @ vec.T
     mean = u0 + (vec / eig) @ (vec.T @ grad)
     return mean, precision, grad
@@ -359,6 +387,29 @@ def _fit_vi(log_target, u0, key, num_steps, learning_rate, num_particles, diagon
     L = scale_tril(params)
     cov = L**2 if diagonal else L @ L.T
     return params["loc"], cov
+
+
+def _warn_unconverged(gnorm, improper, num_steps):
+    stopped = np.flatnonzero(gnorm > _LAPLACE_TOL).tolist()
+    clipped = np.flatnonzero(improper).tolist()
+    if not (stopped or clipped):
+        return
+    parts = []
+    if stopped:
+        parts.append(
+            f"The Laplace fit stopped before a mode on silo(s) {stopped} (after "
+            f"num_steps={num_steps} Newton steps the gradient is up to "
+            f"{gnorm.max():.2g} relative to the target, above {_LAPLACE_TOL:g}): "
+            "raise num_steps, or start nearer a mode with init_params."
+        )
+    if clipped:
+        parts.append(
+            f"On silo(s) {clipped} the target curves down somewhere at the fit's end "
+            "point; those curvatures were raised to a small positive floor, so the "
+            "surrogate is nearly flat, and the conducive gradient nearly off, in "
+            "those directions."
+        )
+    warnings.warn(" ".join(parts), UserWarning, stacklevel=3)
 
 
 def fit_surrogates(
@@ -485,18 +536,30 @@ def fit_surrogates(
         missing = [s.name for s in pot.global_sites if s.name not in init_params]
         if missing:
             raise ValueError(f"init_params lacks the global site(s) {missing}.")
-        z0.update({s.name: jnp.asarray(init_params[s.name]) for s in pot.global_sites})
+        # In the model's dtype: a weakly typed start (a Python float) would otherwise
+        # turn the whole fit to float32.
+        z0.update(
+            {
+                s.name: jnp.asarray(init_params[s.name], z0[s.name].dtype)
+                for s in pot.global_sites
+            }
+        )
     z_local0 = pot.split(z0)[1]
     dim = pot.global_dim
 
     def fit_one(arrays, mask, z_local, key):
+        """A silo's natural parameters, with the Laplace fit's relative gradient at
+        its last iterate and whether its curvature had to be made proper."""
         log_target, flat_local = _silo_objective(
             pot, prior_power, arrays, mask, z_local
         )
         u0 = jnp.concatenate([pot.flatten(pot.split(z0)[0]), flat_local])
         if method == "laplace":
-            mode, hess = _fit_laplace(log_target, u0, num_steps)
-            return _marginal(mode, hess, dim, diagonal, True)
+            mode, hess, gnorm, improper = _fit_laplace(log_target, u0, num_steps)
+            return *_marginal(mode, hess, dim, diagonal, True), gnorm, improper
+        return *fit_natural(log_target, u0, key), jnp.zeros(()), jnp.zeros((), bool)
+
+    def fit_natural(log_target, u0, key):
         if method == "taylor":
             mean, precision, grad = _fit_taylor(log_target, u0)
             if diagonal and precision.shape[0] == dim:
@@ -529,12 +592,14 @@ def fit_surrogates(
     keys = jax.random.split(fit_key, data.num_silos)
     inputs = (dict(data.arrays), data.mask, z_local0, keys)
     if silo_batch_size is None:
-        prec, shift = jax.jit(jax.vmap(fit_one))(*inputs)
+        prec, shift, gnorm, improper = jax.jit(jax.vmap(fit_one))(*inputs)
     else:
         # Bounded memory: a Hessian of a silo's full data, vmapped over every silo
         # at once, can outgrow the machine (30 silos of 3,000 rows and a 500-weight
         # network ask for ~40 GB).
-        prec, shift = jax.jit(
+        prec, shift, gnorm, improper = jax.jit(
             lambda a: jax.lax.map(lambda x: fit_one(*x), a, batch_size=silo_batch_size)
         )(inputs)
+    if method == "laplace":
+        _warn_unconverged(np.asarray(gnorm), np.asarray(improper), num_steps)
     return check_surrogates(GaussianSurrogates(prec, shift), data.num_silos, dim)

@@ -5,6 +5,8 @@ conjugate Gaussian silos (with and without local latents), local SGLD moment mat
 and VI recover them within Monte Carlo / optimization error; the natural-parameter
 algebra and the validity checks."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -336,3 +338,42 @@ def test_taylor_matches_the_silo_gradient_and_curvature_at_the_point(covariance)
                     else np.linalg.eigvalsh(q.precision[s])
                 )
                 assert np.all(prec > 0)
+
+
+def test_laplace_on_a_nonconvex_target_warns_and_stays_proper():
+    """y ~ N(mu^2, 1) is not log-concave in mu. Given the steps, the Laplace fit
+    reaches the mode, where the precision has a closed form (4 n ybar - 1 with
+    half of the N(0, 1) prior); stopped early where the target curves down, it
+    warns, names the silos, and keeps a proper, nearly flat surrogate."""
+
+    def square(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with nf.silo_plate("data", y.shape[0]):
+            numpyro.sample("y", dist.Normal(mu**2, 1.0), obs=y)
+
+    y = np.array([3.9, 4.0, 4.1, 1.0, 1.2])
+    data = nf.FederatedData.from_groups([0, 0, 0, 1, 1], y=y)
+    start = {"mu": 0.5}  # a Python float: the fit must stay in float64
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q = nf.fit_surrogates(square, data, prior_power=0.5, init_params=start)
+    for s, ys in enumerate((y[:3], y[3:])):
+        precision = 4 * ys.sum() - 1.0
+        mode = np.sqrt(ys.mean() - 0.25 / len(ys))
+        np.testing.assert_allclose(q.precision[s], [[precision]], rtol=1e-10)
+        # either of the two modes +-mode (the first accepted step crosses zero)
+        np.testing.assert_allclose(np.abs(q.shift[s]), [precision * mode], rtol=1e-10)
+
+    # One step from mu = 0.5: silo 0's Newton step goes uphill and is refused, and
+    # its curvature there is 3 (6 mu^2 - 2 ybar) + 0.5 = -19: clipped to the floor.
+    with pytest.warns(UserWarning) as record:
+        q = nf.fit_surrogates(
+            square, data, prior_power=0.5, init_params=start, num_steps=1
+        )
+    (message,) = [str(w.message) for w in record]
+    assert "stopped before a mode on silo(s) [0, 1]" in message
+    assert "num_steps=1" in message
+    assert "On silo(s) [0] the target curves down" in message
+    np.testing.assert_allclose(q.precision[0], [[19e-8]], rtol=1e-6)
+    np.testing.assert_allclose(q.shift[0], [19e-8 * 0.5], rtol=1e-6)
+    assert q.precision[1, 0, 0] > 1.0  # silo 1 is convex there: unclipped
