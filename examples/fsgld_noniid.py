@@ -31,8 +31,8 @@ Part 2 runs FSGLD and NUTS on a federated logistic regression (IID silos), print
 ``nf.compare`` and saves an ArviZ trace plot to ``examples/output/``, then compares
 FSGLD and DSGLD with NUTS on label-skewed silos.
 
-Run: ``python examples/fsgld_noniid.py`` (an hour or more on 2 CPU cores, most of it
-the Laplace fits, 6 minutes to over 30 per seed; ``--quick`` for a smoke run).
+Run: ``python examples/fsgld_noniid.py`` (about an hour on 2 CPU cores, most of it
+the Laplace fits, 3 to 8 minutes per seed and split; ``--quick`` for a smoke run).
 """
 
 import argparse

@@ -404,9 +404,9 @@ def _warn_unconverged(gnorm, improper, num_steps):
         )
     if clipped:
         parts.append(
-            f"On silo(s) {clipped} the target curves down somewhere at the fit's end "
-            "point; those curvatures were raised to a small positive floor, so the "
-            "surrogate is nearly flat, and the conducive gradient nearly off, in "
+            f"On silo(s) {clipped} the fit ends where the target curves down in some "
+            "directions; those curvatures were raised to a small positive floor, so "
+            "the surrogate is nearly flat, and the conducive gradient nearly off, in "
             "those directions."
         )
     warnings.warn(" ".join(parts), UserWarning, stacklevel=3)
@@ -441,6 +441,10 @@ def fit_surrogates(
       the gradient is below ``1e-8`` relative to the target's value), then the negative
       Hessian there (with local latents, the Schur complement: the Laplace
       approximation of the marginal likelihood). Exact for a Gaussian likelihood.
+      On a target that is not log-concave, a fit stopped by ``num_steps`` may end
+      where the target curves down: that curvature is raised to a small positive
+      floor (the surrogate is nearly flat there), and a warning names the silos that
+      stopped short or were clipped.
     - ``"sgld"``: Langevin dynamics on the local likelihood (full silo gradient,
       ``step_size``, ``num_warmup`` then ``num_samples`` steps), then moment matching,
       as in the paper (3,000 draws).
@@ -548,8 +552,8 @@ def fit_surrogates(
     dim = pot.global_dim
 
     def fit_one(arrays, mask, z_local, key):
-        """A silo's natural parameters, with the Laplace fit's relative gradient at
-        its last iterate and whether its curvature had to be made proper."""
+        """A silo's natural parameters and, for ``"laplace"``, the relative gradient
+        before the last Newton step and whether the curvature had to be clipped."""
         log_target, flat_local = _silo_objective(
             pot, prior_power, arrays, mask, z_local
         )

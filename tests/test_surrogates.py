@@ -373,7 +373,7 @@ def test_laplace_on_a_nonconvex_target_warns_and_stays_proper():
     (message,) = [str(w.message) for w in record]
     assert "stopped before a mode on silo(s) [0, 1]" in message
     assert "num_steps=1" in message
-    assert "On silo(s) [0] the target curves down" in message
+    assert "On silo(s) [0] the fit ends where the target curves down" in message
     np.testing.assert_allclose(q.precision[0], [[19e-8]], rtol=1e-6)
     np.testing.assert_allclose(q.shift[0], [19e-8 * 0.5], rtol=1e-6)
     assert q.precision[1, 0, 0] > 1.0  # silo 1 is convex there: unclipped
