@@ -31,7 +31,7 @@ from numpyro_fed.protocol import silo_data_of
 def message_bytes(svi, state, data):
     """Bytes of one round's messages: the broadcast to every silo plus every reply."""
     algorithm, _ = svi._build(data)
-    _, keys, silo_keys = svi._round_keys(state, data.num_silos)
+    _, keys, silo_keys = svi._round_keys(state.rng_key, data.num_silos)
     message = algorithm.server_message(state.server, keys)
     first = jax.tree.map(lambda x: x[0], (state.silos, silo_data_of(data)))
     reply = jax.eval_shape(algorithm.silo_step, message, *first, silo_keys[0])[0]

@@ -12,17 +12,12 @@ from numpyro_fed.algorithms import (
     DSGLD,
     FSGLD,
     PVI,
-    SFVI,
     FedGVI,
     InvalidCavity,
     PVIParams,
     PVIResult,
     PVIState,
     RowIndexMismatchError,
-    RunResult,
-    SFVIAvg,
-    SFVIParams,
-    SFVIState,
     SGLDState,
     VerticalParams,
     VerticalSFVI,
@@ -42,6 +37,8 @@ from numpyro_fed.densities import server_log_density, silo_log_density
 from numpyro_fed.diagnostics import compare, format_compare, to_arviz
 from numpyro_fed.families import AutoAmortized, AutoMeanField, AutoStructured
 from numpyro_fed.handlers import federate, silo_plate
+from numpyro_fed.infer.driver import FederatedState, RunResult
+from numpyro_fed.infer.vi import SFVI, SFVIAvg, SFVIParams
 from numpyro_fed.partition import ModelRoles, analyze
 from numpyro_fed.protocol import FederatedAlgorithm, SiloData
 from numpyro_fed.surrogates import GaussianSurrogates, fit_surrogates
@@ -78,7 +75,7 @@ __all__ = [
     "SFVI",
     "SFVIAvg",
     "SFVIParams",
-    "SFVIState",
+    "FederatedState",
     "SGLDState",
     "SiloData",
     "analyze",

@@ -9,9 +9,9 @@ import jax
 from numpyro.infer import SVI, Trace_ELBO
 import optax
 
-from numpyro_fed.algorithms._runner import RunResult
-from numpyro_fed.algorithms.sfvi_wrapper import SFVI
 from numpyro_fed.data import FederatedData
+from numpyro_fed.infer.driver import RunResult
+from numpyro_fed.infer.vi import SFVI
 
 __all__ = ["IndependentFit", "fit_centralized", "fit_independent"]
 

@@ -4,22 +4,42 @@
 
 Like optax's ``GradientTransformation``, a federated algorithm is data, not a class
 hierarchy, so the same functions run under every runtime (vmapped simulation,
-one-silo-at-a-time, Flower). A round is::
+one silo at a time, event-driven, Flower). A round is::
 
-    message = server_message(server_state, server_key)          # server -> silos
-    reply_j, silo_state_j = silo_step(message, silo_state_j, silo_data_j, silo_key_j)
-    server_state, info = server_step(server_state, replies, server_key, participating)
+    contacted = select(server_state, key, num_silos)                  # whom to ask
+    message = server_message(server_state, key)                       # server -> silos
+    reply_j, silo_state_j = silo_step(message.at(j), silo_state_j, silo_data_j, key_j)
+    server_state, info = server_step(server_state, replies, key, contacted)
 
-``server_message`` is split out of ``server_step`` (DESIGN.md bundles them) so that a
-round's broadcast is drawn from that round's key: a runtime can then replay any round,
-and the simulation matches centralized NumPyro SVI draw for draw.
+``message.at(j)`` is silo j's view of the message: the broadcast part and row j of
+the routed part. Every state, message and reply is a pytree of arrays whose treedef
+does not change from round to round (no ``None`` toggles, no Python scalars), so one
+codec can ship it and one compiled round serves every round.
+
+The key handed to ``silo_step`` belongs to the silo: a runtime draws it on the silo
+(or, in simulation, splits it from the run's key); nothing in a server message lets
+the server replay a silo's computation.
 """
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
+import jax.numpy as jnp
 
-__all__ = ["FederatedAlgorithm", "SiloData", "silo_data_of"]
+__all__ = [
+    "FederatedAlgorithm",
+    "InitServerFn",
+    "InitSiloFn",
+    "Message",
+    "MessageFn",
+    "SelectFn",
+    "ServerStepFn",
+    "SiloData",
+    "SiloStepFn",
+    "jit_algorithm",
+    "select_all",
+    "silo_data_of",
+]
 
 
 class SiloData(NamedTuple):
@@ -40,24 +60,124 @@ def silo_data_of(data: Any) -> SiloData:
     return SiloData(dict(data.arrays), data.mask, data.unit_ids)
 
 
-class FederatedAlgorithm(NamedTuple):
-    """A federated algorithm as pure functions (no ``self``, no I/O).
+class Message(NamedTuple):
+    """What the server sends in a round.
 
-    - **init_server** - ``(key) -> server_state``.
-    - **init_silo** - ``(key, silo_data) -> silo_state``.
-    - **server_message** - ``(server_state, key) -> server_message``: what the server
-      broadcasts this round.
-    - **silo_step** - ``(server_message, silo_state, silo_data, key) ->
-      (silo_message, silo_state)``: the whole silo side of a round.
-    - **server_step** - ``(server_state, silo_messages, key, participating) ->
-      (server_state, info)``: ``silo_messages`` are stacked along a leading silo
-      axis and ``participating`` (``(J,)`` booleans, or ``None`` for all) says which
-      of them were sent this round. Partial participation is the runtime's choice;
-      how to aggregate a subset is the algorithm's.
+    - **broadcast** - the part every contacted silo receives.
+    - **routed** - the part addressed to each silo separately, stacked along a leading
+      silo axis (PVI's acknowledgements, vertical FL's per-party gradients); ``()``
+      when the algorithm routes nothing. Silo j receives only row j.
     """
 
-    init_server: Callable[..., Any]
-    init_silo: Callable[..., Any]
-    server_message: Callable[..., Any]
-    silo_step: Callable[..., tuple[Any, Any]]
-    server_step: Callable[..., tuple[Any, Any]]
+    broadcast: Any
+    routed: Any = ()
+
+    def at(self, silo: Any) -> "Message":
+        """Silo ``silo``'s view: the broadcast and row ``silo`` of the routed part."""
+        return Message(self.broadcast, jax.tree.map(lambda x: x[silo], self.routed))
+
+
+class InitServerFn(Protocol):
+    def __call__(self, key: jax.Array) -> Any:
+        """The server's initial state.
+
+        :param key: the server's key.
+        :return: the server state ``S``.
+        """
+
+
+class InitSiloFn(Protocol):
+    def __call__(self, key: jax.Array, data: SiloData) -> Any:
+        """One silo's initial state, from its own data.
+
+        :param key: the silo's key.
+        :param data: the silo's :class:`SiloData` (no silo axis).
+        :return: the silo state ``L``.
+        """
+
+
+class MessageFn(Protocol):
+    def __call__(self, state: Any, key: jax.Array) -> Message:
+        """What the server sends this round.
+
+        :param state: the server state.
+        :param key: the round's server key.
+        :return: a :class:`Message`.
+        """
+
+
+class SiloStepFn(Protocol):
+    def __call__(
+        self, message: Message, state: Any, data: SiloData, key: jax.Array
+    ) -> tuple[Any, Any]:
+        """The whole silo side of a round.
+
+        :param message: the silo's view of the message (``Message.at(j)``).
+        :param state: the silo's state.
+        :param data: the silo's own data.
+        :param key: the silo's own key.
+        :return: ``(reply, state)``: what goes back to the server, and what stays.
+        """
+
+
+class ServerStepFn(Protocol):
+    def __call__(
+        self, state: Any, replies: Any, key: jax.Array, participating: jax.Array
+    ) -> tuple[Any, Any]:
+        """The server's update from the silos' replies.
+
+        :param state: the server state.
+        :param replies: every silo's reply, stacked along a leading silo axis;
+            rows of silos that were not contacted hold placeholders.
+        :param key: the round's server key (the one ``server_message`` got).
+        :param participating: ``(J,)`` booleans, the silos whose reply arrived.
+        :return: ``(state, info)``; ``info`` is a NamedTuple with at least ``loss``
+            (a scalar) and ``rejected`` (``(J,)`` booleans: replies that arrived and
+            were dropped because they were not finite or not valid).
+        """
+
+
+class SelectFn(Protocol):
+    def __call__(self, state: Any, key: jax.Array, num_silos: int) -> jax.Array:
+        """Whom the server contacts this round.
+
+        :param state: the server state.
+        :param key: the round's server key.
+        :param num_silos: ``J``.
+        :return: ``(J,)`` booleans.
+        """
+
+
+def select_all(state: Any, key: jax.Array, num_silos: int) -> jax.Array:
+    """The default :class:`SelectFn`: every silo, every round."""
+    del state, key
+    return jnp.ones((num_silos,), bool)
+
+
+class FederatedAlgorithm(NamedTuple):
+    """A federated algorithm as pure functions (no ``self``, no I/O), each typed by
+    a ``Protocol`` above.
+
+    - **init_server** - :class:`InitServerFn`.
+    - **init_silo** - :class:`InitSiloFn`.
+    - **server_message** - :class:`MessageFn`.
+    - **silo_step** - :class:`SiloStepFn`.
+    - **server_step** - :class:`ServerStepFn`.
+    - **select** - :class:`SelectFn` (default :func:`select_all`).
+    """
+
+    init_server: InitServerFn
+    init_silo: InitSiloFn
+    server_message: MessageFn
+    silo_step: SiloStepFn
+    server_step: ServerStepFn
+    select: SelectFn = select_all
+
+
+def jit_algorithm(algorithm: FederatedAlgorithm) -> FederatedAlgorithm:
+    """The same algorithm with each function jitted on its own (for runtimes that
+    call them one at a time); ``select``'s ``num_silos`` is static."""
+    select = algorithm.select
+    if select is not select_all:
+        select = jax.jit(select, static_argnums=2)
+    return FederatedAlgorithm(*(jax.jit(f) for f in algorithm[:5]), select)

@@ -13,7 +13,7 @@ import optax
 import numpyro_fed as nf
 from numpyro_fed.algorithms.sfvi import noise_keys
 from numpyro_fed.densities import data_template
-from numpyro_fed.protocol import silo_data_of
+from numpyro_fed.protocol import jit_algorithm, silo_data_of
 from numpyro_fed.runtime import sequential_round, simulate_round
 from tests import _models as m
 
@@ -67,7 +67,7 @@ def test_dropped_silo_keeps_its_state_in_both_runtimes():
     mask = jnp.array([True, False, True, True])
     args = (server, silos, silo_data_of(data), keys, silo_keys, mask)
     sim = jax.jit(partial(simulate_round, algorithm))(*args)
-    jitted = type(algorithm)(*(jax.jit(f) for f in algorithm))  # as SFVI's runtime
+    jitted = jit_algorithm(algorithm)  # as the sequential runtime's driver
     seq = sequential_round(jitted, *args)
     m.tree_allclose(sim, seq, rtol=1e-10, atol=1e-12)
     new_silos = sim[1]

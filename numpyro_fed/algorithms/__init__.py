@@ -2,7 +2,6 @@
 # SPDX-License-Identifier: Apache-2.0
 """Federated inference algorithms, each a factory of pure functions plus a wrapper."""
 
-from numpyro_fed.algorithms._runner import RunResult
 from numpyro_fed.algorithms.fedgvi import FedGVI
 from numpyro_fed.algorithms.pvi_wrapper import (
     PVI,
@@ -26,7 +25,6 @@ from numpyro_fed.algorithms.sfvi_avg import (
     SFVIAvgSiloState,
     sfvi_avg,
 )
-from numpyro_fed.algorithms.sfvi_wrapper import SFVI, SFVIAvg, SFVIParams, SFVIState
 from numpyro_fed.algorithms.sgld import (
     DSGLD,
     FSGLD,
@@ -56,21 +54,16 @@ __all__ = [
     "PVIParams",
     "PVIResult",
     "PVIState",
-    "SFVI",
-    "SFVIAvg",
     "SFVIAvgServerMessage",
     "SFVIAvgServerState",
     "SFVIAvgSiloMessage",
     "SFVIAvgSiloState",
     "sfvi_avg",
     "SFVIInfo",
-    "SFVIParams",
     "SFVIServerMessage",
     "SFVIServerState",
     "SFVISiloMessage",
     "SFVISiloState",
-    "SFVIState",
-    "RunResult",
     "sfvi",
     "RowIndexMismatchError",
     "VerticalParams",

@@ -23,7 +23,6 @@ import optax
 
 from numpyro_fed.algorithms.pvi import PVIServerMessage
 from numpyro_fed.algorithms.pvi_wrapper import PVI
-from numpyro_fed.algorithms.sfvi import _constrain
 from numpyro_fed.expfam import (
     GaussianNat,
     expected_log_factor,
@@ -33,6 +32,7 @@ from numpyro_fed.expfam import (
     kl,
     renyi,
 )
+from numpyro_fed.util import constrain
 
 __all__ = [
     "FedGVI",
@@ -264,7 +264,7 @@ class FedGVI(PVI):
         theta_c = self.guide.theta_constraints()
 
         def prior_at(theta_u):
-            return prior_of(_constrain(theta_c, theta_u))
+            return prior_of(constrain(theta_c, theta_u))
 
         def message_of(q, prior, theta):
             # The server's authoritative state is prior + sum_k eta_k; it sends the

@@ -33,12 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from numpyro_fed.algorithms.sfvi import (
-    _all_finite,
-    _constrain,
-    _unconstrain,
-    noise_keys,
-)
+from numpyro_fed.algorithms.sfvi import noise_keys
 from numpyro_fed.densities import server_log_density, silo_log_density
 from numpyro_fed.expfam import (
     GaussianNat,
@@ -51,6 +46,7 @@ from numpyro_fed.expfam import (
     to_moments,
 )
 from numpyro_fed.protocol import SiloData
+from numpyro_fed.util import all_finite, constrain, unconstrain
 
 __all__ = [
     "PVIFunctions",
@@ -295,13 +291,13 @@ def pvi(
 
     def silo_term(glob_u, eta_l_u, theta_u, key, data: SiloData):
         """One draw of log p(y_m, z_m | u) - log q(z_m | u) and the global draw."""
-        theta = _constrain(theta_c, theta_u)
-        eta_g = _constrain(glob_c, glob_u)
+        theta = constrain(theta_c, theta_u)
+        eta_g = constrain(glob_c, glob_u)
         z_g = guide.sample_global(eta_g, guide.global_noise(key))
         values, _ = guide.constrain_global(z_g)
         log_q = jnp.zeros(())
         if eta_l_u:
-            eta_l = _constrain(local_c, eta_l_u)
+            eta_l = constrain(local_c, eta_l_u)
             z_l = guide.sample_local(
                 eta_g, eta_l, z_g, guide.local_noise(key, data.unit_ids)
             )
@@ -316,13 +312,13 @@ def pvi(
     def prior_term(glob_u, eta_l_u, theta_u, key, data):
         """One draw of log p(u) = log p(T(u)) + log|det J(u)|: t_0's 'likelihood'."""
         del eta_l_u, data
-        eta_g = _constrain(glob_c, glob_u)
+        eta_g = constrain(glob_c, glob_u)
         z_g = guide.sample_global(eta_g, guide.global_noise(key))
         return log_lik_at(True, z_g, theta_u, None), z_g
 
     def log_lik_at(is_prior: bool, u, theta_u, data):
         """The (prior or silo) log-likelihood at a fixed global point u."""
-        theta = _constrain(theta_c, theta_u)
+        theta = constrain(theta_c, theta_u)
         values, log_det = guide.constrain_global(u)
         if is_prior:
             return server_log_density(model, plate, template, {**values, **theta}) + (
@@ -336,7 +332,7 @@ def pvi(
 
         def free_energy(params, theta_u, cavity, keys, data):
             glob_u, eta_l_u = params
-            eta_g = _constrain(glob_c, glob_u)
+            eta_g = constrain(glob_c, glob_u)
 
             def particle(key):
                 value, z_g = term(glob_u, eta_l_u, theta_u, key, data)
@@ -363,7 +359,7 @@ def pvi(
         )
 
         def adam_fit(message, state, data, cavity):
-            params = (_unconstrain(glob_c, to_guide(message.q)), state.eta_local)
+            params = (unconstrain(glob_c, to_guide(message.q)), state.eta_local)
 
             def one_step(carry, _):
                 params, optim_state, key = carry
@@ -372,7 +368,7 @@ def pvi(
                 loss, grads = loss_grad(params, message.theta, cavity, keys, data)
                 updates, new_optim = local_optim.update(grads, optim_state, params)
                 new_params = optax.apply_updates(params, updates)
-                ok = _all_finite((loss, grads))
+                ok = all_finite((loss, grads))
                 kept = _select(ok, (new_params, new_optim), (params, optim_state))
                 return (*kept, key), loss
 
@@ -383,7 +379,7 @@ def pvi(
                 length=local_steps,
             )
             glob_u, eta_local = params
-            q_new = from_guide(_constrain(glob_c, glob_u))
+            q_new = from_guide(constrain(glob_c, glob_u))
             return q_new, state._replace(
                 eta_local=eta_local, optim_state=optim_state, rng_key=key
             )
@@ -425,7 +421,7 @@ def pvi(
             report_key = jax.random.fold_in(state.rng_key, 1)
             # The local fit starts from the q just received, never from a cached local
             # q: the latter amplifies inexact solves under synchronous updates.
-            glob0 = _unconstrain(glob_c, to_guide(message.q))
+            glob0 = unconstrain(glob_c, to_guide(message.q))
             report_keys = noise_keys(report_key, num_particles)
             if local_solver == "natural":
                 points = _sigma_points(message.q)
@@ -436,7 +432,7 @@ def pvi(
                 )
             q_new, new_state = fit(message, state, data, cavity)
             delta = q_new.minus(message.q).times(damping)
-            ok = valid & _all_finite((delta, elbo, grad_theta))
+            ok = valid & all_finite((delta, elbo, grad_theta))
             # A non-finite reply goes to the server as it is: the server rejects and
             # counts it; the silo keeps its state.
             reply = PVISiloMessage(
@@ -457,14 +453,14 @@ def pvi(
         return step
 
     def init_state(key, eta_local, q0):
-        glob_u = _unconstrain(glob_c, to_guide(q0))
+        glob_u = unconstrain(glob_c, to_guide(q0))
         zeros = GaussianNat.zeros(dim, full, q0.h.dtype)
         optim_state = local_optim.init((glob_u, eta_local))
         return PVISiloState(zeros, eta_local, optim_state, key)
 
     def init_silo(key: jax.Array, data: SiloData, q0: GaussianNat) -> PVISiloState:
         init_key, chain_key = jax.random.split(key)
-        eta_local = _unconstrain(local_c, guide.init_local(init_key, data.arrays))
+        eta_local = unconstrain(local_c, guide.init_local(init_key, data.arrays))
         return init_state(chain_key, eta_local, q0)
 
     def init_prior_silo(key: jax.Array, q0: GaussianNat) -> PVISiloState:
@@ -472,12 +468,12 @@ def pvi(
 
     prior_u = None
     if prior_of is not None:
-        prior_u = lambda t: prior_of(_constrain(theta_c, t))  # noqa: E731
+        prior_u = lambda t: prior_of(constrain(theta_c, t))  # noqa: E731
 
     def server_elbo(q: GaussianNat, theta_u: dict, key: jax.Array):
         if prior_u is not None:
             return jax.value_and_grad(lambda t: -divergence(q, prior_u(t)))(theta_u)
-        glob_u = _unconstrain(glob_c, to_guide(q))
+        glob_u = unconstrain(glob_c, to_guide(q))
         keys = jax.random.split(key, max(num_particles, 1))
 
         def value(t):

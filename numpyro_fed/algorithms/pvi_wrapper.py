@@ -16,19 +16,20 @@ from numpyro.infer import autoguide
 import optax
 from tqdm.auto import trange
 
-from numpyro_fed.algorithms._posterior import sample_structured
 from numpyro_fed.algorithms.pvi import (
     PVIInfo,
     PVIServerState,
     PVISiloState,
     pvi,
 )
-from numpyro_fed.algorithms.sfvi import _constrain, _initial_globals
+from numpyro_fed.algorithms.sfvi import initial_globals
 from numpyro_fed.densities import data_template
 from numpyro_fed.expfam import GaussianNat, from_moments
 from numpyro_fed.families.structured import AutoMeanField, AutoStructured
+from numpyro_fed.infer.posterior import sample_structured
 from numpyro_fed.protocol import silo_data_of
 from numpyro_fed.runtime.pvi_schedules import event_round, synchronous_round
+from numpyro_fed.util import constrain
 
 __all__ = ["InvalidCavity", "PVI", "PVIParams", "PVIResult", "PVIState"]
 
@@ -401,7 +402,7 @@ class PVI:
         """
         fns, _, template = self._build(data)
         rng_key, init_key, silo_key, prior_key = jax.random.split(rng_key, 4)
-        theta, _ = _initial_globals(self.guide, init_key, template)
+        theta, _ = initial_globals(self.guide, init_key, template)
         if fns.prior_of is not None:
             prior = fns.prior_of(theta)
             prior_silo = None
@@ -410,7 +411,7 @@ class PVI:
                 self.model,
                 self.guide,
                 template,
-                _constrain(self.guide.theta_constraints(), theta),
+                constrain(self.guide.theta_constraints(), theta),
                 prior_key,
             )
             prior_silo = fns.init_prior_silo(jax.random.fold_in(prior_key, 1), prior)
@@ -515,9 +516,9 @@ class PVI:
         _, local_c = self.guide.param_constraints()
         fns = next(iter(self._built.values()))[0]
         return PVIParams(
-            _constrain(self.guide.theta_constraints(), state.server.theta),
+            constrain(self.guide.theta_constraints(), state.server.theta),
             fns.to_guide(state.server.q),
-            _constrain(local_c, state.silos.eta_local),
+            constrain(local_c, state.silos.eta_local),
         )
 
     def run(

@@ -17,11 +17,11 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from numpyro.distributions import biject_to
 import optax
 
 from numpyro_fed.densities import server_log_density, silo_log_density
-from numpyro_fed.protocol import FederatedAlgorithm, SiloData
+from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
+from numpyro_fed.util import all_finite, ascent, constrain, tree_where, unconstrain
 
 __all__ = [
     "SFVIInfo",
@@ -29,6 +29,7 @@ __all__ = [
     "SFVIServerState",
     "SFVISiloMessage",
     "SFVISiloState",
+    "initial_globals",
     "noise_keys",
     "sfvi",
 ]
@@ -84,40 +85,20 @@ class SFVISiloMessage(NamedTuple):
 
 class SFVIInfo(NamedTuple):
     """- **loss** - the negative ELBO estimate of the round (at the pre-update state).
-    - **num_rejected** - silos whose message was not finite and was left out.
+    - **rejected** - ``(J,)`` booleans: silos whose reply arrived but was not finite
+      and was left out.
     """
 
     loss: jax.Array
-    num_rejected: jax.Array
+    rejected: jax.Array
 
 
-def _constrain(constraints: dict, values: dict) -> dict:
-    return {k: biject_to(constraints[k])(v) for k, v in values.items()}
-
-
-def _unconstrain(constraints: dict, values: dict) -> dict:
-    return {k: biject_to(constraints[k]).inv(v) for k, v in values.items()}
-
-
-def _all_finite(tree: Any) -> jax.Array:
-    leaves = jax.tree.leaves(tree)
-    return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in leaves] or [True]))
-
-
-def _initial_globals(guide: Any, key: jax.Array, template: dict) -> tuple[dict, dict]:
+def initial_globals(guide: Any, key: jax.Array, template: dict) -> tuple[dict, dict]:
     """Unconstrained initial theta (the model's own param inits) and eta_G."""
     inits = {k: jnp.asarray(v) for k, (v, _) in guide.param_specs.items()}
-    theta = _unconstrain(guide.theta_constraints(), inits)
+    theta = unconstrain(guide.theta_constraints(), inits)
     eta_global = guide.init_global(key, template)
-    return theta, _unconstrain(guide.param_constraints()[0], eta_global)
-
-
-def _ascent(optimizer, grads, optim_state, params):
-    # optax minimizes: feed it the negative ELBO gradient.
-    updates, optim_state = optimizer.update(
-        jax.tree.map(jnp.negative, grads), optim_state, params
-    )
-    return optax.apply_updates(params, updates), optim_state
+    return theta, unconstrain(guide.param_constraints()[0], eta_global)
 
 
 def sfvi(
@@ -155,21 +136,21 @@ def sfvi(
     stop = jax.lax.stop_gradient if stl else (lambda x: x)
 
     def init_server(key: jax.Array) -> SFVIServerState:
-        theta, eta_global = _initial_globals(guide, key, template)
+        theta, eta_global = initial_globals(guide, key, template)
         return SFVIServerState(theta, eta_global, optimizer.init((theta, eta_global)))
 
     def init_silo(key: jax.Array, data: SiloData) -> SFVISiloState:
-        eta_local = _unconstrain(local_constraints, guide.init_local(key, data.arrays))
+        eta_local = unconstrain(local_constraints, guide.init_local(key, data.arrays))
         return SFVISiloState(eta_local, optimizer.init(eta_local))
 
-    def server_message(state: SFVIServerState, keys: jax.Array) -> SFVIServerMessage:
+    def server_message(state: SFVIServerState, keys: jax.Array) -> Message:
         eps = jax.vmap(guide.global_noise)(keys)
-        return SFVIServerMessage(state.theta, state.eta_global, eps)
+        return Message(SFVIServerMessage(state.theta, state.eta_global, eps))
 
     def silo_term(theta_u, eta_g_u, eta_l_u, eps_g, key, data: SiloData):
-        theta = _constrain(theta_constraints, theta_u)
-        eta_g = _constrain(global_constraints, eta_g_u)
-        eta_l = _constrain(local_constraints, eta_l_u)
+        theta = constrain(theta_constraints, theta_u)
+        eta_g = constrain(global_constraints, eta_g_u)
+        eta_l = constrain(local_constraints, eta_l_u)
         z_g = guide.sample_global(eta_g, eps_g) if eta_g else jnp.zeros((0,))
         values, _ = guide.constrain_global(z_g)
         log_q = jnp.zeros(())
@@ -198,9 +179,8 @@ def sfvi(
 
     silo_grad = jax.value_and_grad(mean_over_particles(silo_term), argnums=(0, 1, 2))
 
-    def silo_step(
-        message: SFVIServerMessage, state: SFVISiloState, data: SiloData, keys
-    ):
+    def silo_step(message: Message, state: SFVISiloState, data: SiloData, keys):
+        message = message.broadcast
         elbo, (g_theta, g_eta_g, g_eta_l) = silo_grad(
             message.theta,
             message.eta_global,
@@ -209,17 +189,13 @@ def sfvi(
             keys,
             data,
         )
-        eta_local, optim_state = _ascent(
+        eta_local, optim_state = ascent(
             optimizer, g_eta_l, state.optim_state, state.eta_local
         )
         # A non-finite local step is not taken (NumPyro's stable_update); the server
         # drops this silo's message for the same reason.
-        ok = _all_finite((g_eta_l, elbo))
-        new_state = jax.tree.map(
-            lambda new, old: jnp.where(ok, new, old),
-            SFVISiloState(eta_local, optim_state),
-            state,
-        )
+        ok = all_finite((g_eta_l, elbo))
+        new_state = tree_where(ok, SFVISiloState(eta_local, optim_state), state)
         reply = SFVISiloMessage(
             g_theta, g_eta_g, elbo if report_elbo else jnp.zeros_like(elbo)
         )
@@ -227,8 +203,8 @@ def sfvi(
 
     def server_term(theta_u, eta_g_u, eps_g, key, data):
         del key, data
-        theta = _constrain(theta_constraints, theta_u)
-        eta_g = _constrain(global_constraints, eta_g_u)
+        theta = constrain(theta_constraints, theta_u)
+        eta_g = constrain(global_constraints, eta_g_u)
         if not eta_g:
             values, log_q = {}, jnp.zeros(())
         else:
@@ -241,13 +217,13 @@ def sfvi(
     server_grad = jax.value_and_grad(mean_over_particles(server_term), argnums=(0, 1))
 
     def server_step(
-        state: SFVIServerState, replies: SFVISiloMessage, keys, participating=None
+        state: SFVIServerState, replies: SFVISiloMessage, keys, participating
     ):
         eps = jax.vmap(guide.global_noise)(keys)
         elbo0, (g_theta, g_eta_g) = server_grad(
             state.theta, state.eta_global, eps, keys, None
         )
-        finite = jax.vmap(_all_finite)(replies)
+        finite = jax.vmap(all_finite)(replies)
         used = finite if participating is None else finite & participating
         # A uniformly random subset of k silos, scaled by J / k, sums to the full
         # gradient in expectation (exactly 1 when every silo is used).
@@ -261,10 +237,10 @@ def sfvi(
             total, (g_theta, g_eta_g), (replies.grad_theta, replies.grad_eta_global)
         )
         elbo = elbo0 + scale * jnp.sum(jnp.where(used, replies.elbo, 0.0))
-        params, optim_state = _ascent(
+        params, optim_state = ascent(
             optimizer, grads, state.optim_state, (state.theta, state.eta_global)
         )
-        info = SFVIInfo(-elbo, jnp.sum(~finite))
+        info = SFVIInfo(-elbo, participating & ~finite)
         return SFVIServerState(*params, optim_state), info
 
     return FederatedAlgorithm(

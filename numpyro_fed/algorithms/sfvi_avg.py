@@ -32,17 +32,11 @@ from numpyro_fed.aggregate import (
     w2_barycenter_diag,
     weighted_mean,
 )
-from numpyro_fed.algorithms.sfvi import (
-    SFVIInfo,
-    _all_finite,
-    _ascent,
-    _constrain,
-    _initial_globals,
-    _unconstrain,
-)
+from numpyro_fed.algorithms.sfvi import SFVIInfo, initial_globals
 from numpyro_fed.densities import server_log_density, silo_log_density
-from numpyro_fed.families.structured import _unit_tril
-from numpyro_fed.protocol import FederatedAlgorithm, SiloData
+from numpyro_fed.families.structured import unit_tril
+from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
+from numpyro_fed.util import all_finite, ascent, constrain, tree_where, unconstrain
 
 __all__ = [
     "SFVIAvgServerMessage",
@@ -136,10 +130,10 @@ def sfvi_avg(
     stop = jax.lax.stop_gradient if stl else (lambda x: x)
 
     def init_server(key: jax.Array) -> SFVIAvgServerState:
-        return SFVIAvgServerState(*_initial_globals(guide, key, template))
+        return SFVIAvgServerState(*initial_globals(guide, key, template))
 
     def init_silo(key: jax.Array, data: SiloData) -> SFVIAvgSiloState:
-        eta_local = _unconstrain(local_c, guide.init_local(key, data.arrays))
+        eta_local = unconstrain(local_c, guide.init_local(key, data.arrays))
         # The silo's optimizer of (theta, eta_G) needs only their shapes: trace the
         # server's initialization abstractly instead of running it on every silo.
         shapes = jax.eval_shape(init_server, key)
@@ -150,14 +144,14 @@ def sfvi_avg(
             optimizer.init((zeros.theta, zeros.eta_global)),
         )
 
-    def server_message(state: SFVIAvgServerState, key) -> SFVIAvgServerMessage:
+    def server_message(state: SFVIAvgServerState, key) -> Message:
         del key
-        return SFVIAvgServerMessage(state.theta, state.eta_global)
+        return Message(SFVIAvgServerMessage(state.theta, state.eta_global))
 
     def surrogate(theta_u, eta_g_u, eta_l_u, key, data: SiloData):
-        theta = _constrain(theta_c, theta_u)
-        eta_g = _constrain(global_c, eta_g_u)
-        eta_l = _constrain(local_c, eta_l_u)
+        theta = constrain(theta_c, theta_u)
+        eta_g = constrain(global_c, eta_g_u)
+        eta_l = constrain(local_c, eta_l_u)
         size = jnp.sum(data.mask)
         scale = num_units / size
         values, log_q = {}, jnp.zeros(())
@@ -189,7 +183,8 @@ def sfvi_avg(
 
     grad = jax.value_and_grad(particles_mean, argnums=(0, 1, 2))
 
-    def silo_step(message, state: SFVIAvgSiloState, data: SiloData, step_keys):
+    def silo_step(message: Message, state: SFVIAvgSiloState, data: SiloData, step_keys):
+        message = message.broadcast
         global_opt = state.global_optim_state
         if reset_optimizer:
             global_opt = optimizer.init((message.theta, message.eta_global))
@@ -197,10 +192,10 @@ def sfvi_avg(
         def local_step(carry, keys):
             (theta, eta_g), eta_l, opt_g, opt_l = carry
             elbo, (g_theta, g_eta_g, g_eta_l) = grad(theta, eta_g, eta_l, keys, data)
-            globals_, opt_g = _ascent(
+            globals_, opt_g = ascent(
                 optimizer, (g_theta, g_eta_g), opt_g, (theta, eta_g)
             )
-            eta_l, opt_l = _ascent(optimizer, g_eta_l, opt_l, eta_l)
+            eta_l, opt_l = ascent(optimizer, g_eta_l, opt_l, eta_l)
             return (globals_, eta_l, opt_g, opt_l), elbo
 
         carry = (
@@ -212,13 +207,13 @@ def sfvi_avg(
         carry, elbos = jax.lax.scan(local_step, carry, step_keys)
         (theta, eta_g), eta_l, opt_g, opt_l = carry
         new_state = SFVIAvgSiloState(eta_l, opt_l, opt_g)
-        ok = _all_finite((eta_l, theta, eta_g))
-        new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, state)
+        ok = all_finite((eta_l, theta, eta_g))
+        new_state = tree_where(ok, new_state, state)
         reply = SFVIAvgSiloMessage(theta, eta_g, elbos[-1], jnp.sum(data.mask))
         return reply, new_state
 
     def _barycenter(eta_g_u, weights):
-        eta = jax.vmap(lambda e: _constrain(global_c, e))(eta_g_u)
+        eta = jax.vmap(lambda e: constrain(global_c, e))(eta_g_u)
         # Parameters other than the Gaussian's (a shared encoder's weights) are
         # averaged in unconstrained space, like theta.
         others = {
@@ -228,34 +223,30 @@ def sfvi_avg(
         }
         if "tril" not in eta:
             (loc, scale), _ = w2_barycenter_diag(eta["loc"], eta["scale"], weights)
-            return {**others, **_unconstrain(global_c, {"loc": loc, "scale": scale})}
-        covs = jax.vmap(lambda s, t: scale_tril_to_cov(s, _unit_tril(t)))(
+            return {**others, **unconstrain(global_c, {"loc": loc, "scale": scale})}
+        covs = jax.vmap(lambda s, t: scale_tril_to_cov(s, unit_tril(t)))(
             eta["scale"], eta["tril"]
         )
         (loc, cov), _ = w2_barycenter(eta["loc"], covs, weights)
         scale, tril = cov_to_scale_tril(cov)
-        gaussian = _unconstrain(global_c, {"loc": loc, "scale": scale, "tril": tril})
+        gaussian = unconstrain(global_c, {"loc": loc, "scale": scale, "tril": tril})
         return {**others, **gaussian}
 
     def server_step(
         state: SFVIAvgServerState, replies: SFVIAvgSiloMessage, key, participating=None
     ):
         del key
-        finite = jax.vmap(_all_finite)(replies)
+        finite = jax.vmap(all_finite)(replies)
         used = finite if participating is None else finite & participating
         sizes = replies.num_units.astype(replies.elbo.dtype)
         weights = jnp.where(used, sizes if weighted else 1.0, 0.0)
         theta = weighted_mean(replies.theta, weights) if state.theta else state.theta
         eta_g = _barycenter(replies.eta_global, weights) if state.eta_global else {}
         # No usable message this round: keep the server's state.
-        kept = jax.tree.map(
-            lambda new, old: jnp.where(jnp.any(used), new, old),
-            SFVIAvgServerState(theta, eta_g),
-            state,
-        )
+        kept = tree_where(jnp.any(used), SFVIAvgServerState(theta, eta_g), state)
         clean = jnp.where(used, replies.elbo, 0.0)
         loss = -jnp.sum(clean) / jnp.maximum(jnp.sum(used), 1)
-        return kept, SFVIInfo(loss, jnp.sum(~finite))
+        return kept, SFVIInfo(loss, participating & ~finite)
 
     return FederatedAlgorithm(
         init_server, init_silo, server_message, silo_step, server_step

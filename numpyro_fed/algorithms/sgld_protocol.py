@@ -23,7 +23,13 @@ from numpyro_fed.algorithms.sgld_step import (
     local_step,
 )
 from numpyro_fed.potentials import FederatedPotential
-from numpyro_fed.protocol import FederatedAlgorithm, SiloData, silo_data_of
+from numpyro_fed.protocol import (
+    FederatedAlgorithm,
+    Message,
+    SiloData,
+    jit_algorithm,
+    silo_data_of,
+)
 
 __all__ = [
     "CommStats",
@@ -106,12 +112,15 @@ def fsgld(pot: FederatedPotential, cfg: SGLDConfig, init_strategy=init_to_unifor
     def init_silo(key: jax.Array, data: SiloData) -> FSGLDSiloState:
         return FSGLDSiloState(pot.init_local(key, data.arrays, init_strategy))
 
-    def server_message(state: FSGLDServerState, key: jax.Array) -> FSGLDServerMessage:
+    def server_message(state: FSGLDServerState, key: jax.Array) -> Message:
         del key
-        return FSGLDServerMessage(state.z_global, state.step, state.silo, state.rng_key)
+        return Message(
+            FSGLDServerMessage(state.z_global, state.step, state.silo, state.rng_key)
+        )
 
     def silo_step(message, state: FSGLDSiloState, data: SiloData, key: jax.Array):
         del key  # the chain's key travels with it
+        message = message.broadcast
 
         def body(carry, i):
             z_global, z_local = carry
@@ -221,7 +230,7 @@ def run_protocol(
     if not isinstance(num_rounds, int) or num_rounds < 1:
         raise ValueError(f"num_rounds must be a positive int, got {num_rounds!r}.")
     algorithm = fsgld(pot, cfg, init_strategy)
-    jitted = FederatedAlgorithm(*(jax.jit(f) for f in algorithm))
+    jitted = jit_algorithm(algorithm)
     z_global, z_local = pot.split(first.z)
     zero = jnp.zeros((), jnp.int32)
     server = FSGLDServerState(

@@ -40,7 +40,7 @@ GLOBAL_PREFIX = "_fed_global_"
 LOCAL_PREFIX = "_fed_local_"
 
 
-def _unit_tril(raw: jax.Array) -> jax.Array:
+def unit_tril(raw: jax.Array) -> jax.Array:
     return jnp.tril(raw, -1) + jnp.eye(raw.shape[-1], dtype=raw.dtype)
 
 
@@ -51,7 +51,7 @@ def _gaussian_log_density_terms(z, loc, scale, tril):
     white = (z - loc) / scale
     if tril is not None:
         white = solve_triangular(
-            _unit_tril(tril), white, lower=True, unit_diagonal=True
+            unit_tril(tril), white, lower=True, unit_diagonal=True
         )
     return -0.5 * _LOG_2PI - jnp.log(scale) - 0.5 * white**2
 
@@ -310,7 +310,7 @@ class AutoStructured:
     def sample_global(self, eta_g: dict, eps: jax.Array) -> jax.Array:
         """:math:`z_G = \\mu_G + \\sigma_G \\odot L_G \\epsilon_G` (unconstrained)."""
         if "tril" in eta_g:
-            eps = _unit_tril(eta_g["tril"]) @ eps
+            eps = unit_tril(eta_g["tril"]) @ eps
         return eta_g["loc"] + eta_g["scale"] * eps
 
     def log_q_global(self, eta_g: dict, z: jax.Array) -> jax.Array:
@@ -327,9 +327,9 @@ class AutoStructured:
         """:math:`z_{L} = \\bar\\mu + C (z_G - \\mu_G) + \\sigma \\odot L \\epsilon_L`,
         one row per unit."""
         if "tril" in eta_l:
-            eps = jnp.einsum("uij,uj->ui", _unit_tril(eta_l["tril"]), eps)
+            eps = jnp.einsum("uij,uj->ui", unit_tril(eta_l["tril"]), eps)
         if "silo_tril" in eta_l:
-            eps = (_unit_tril(eta_l["silo_tril"]) @ eps.reshape(-1)).reshape(eps.shape)
+            eps = (unit_tril(eta_l["silo_tril"]) @ eps.reshape(-1)).reshape(eps.shape)
         return self._local_mean(eta_g, eta_l, z_g) + eta_l["scale"] * eps
 
     def log_q_local(self, eta_g, eta_l, z_g, z_l) -> jax.Array:

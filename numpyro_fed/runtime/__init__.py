@@ -1,8 +1,18 @@
 # Copyright Contributors to the numpyro-fed project.
 # SPDX-License-Identifier: Apache-2.0
-"""Runtimes: how the pure functions of an algorithm are scheduled."""
+"""Runtimes: how the pure functions of any algorithm are scheduled."""
 
+from numpyro_fed.runtime.accounting import RoundBytes, round_bytes
+from numpyro_fed.runtime.events import EventSchedule, event_round, event_schedule
 from numpyro_fed.runtime.sequential import sequential_round
 from numpyro_fed.runtime.simulate import simulate_round
 
-__all__ = ["sequential_round", "simulate_round"]
+__all__ = [
+    "EventSchedule",
+    "RoundBytes",
+    "event_round",
+    "event_schedule",
+    "round_bytes",
+    "sequential_round",
+    "simulate_round",
+]

@@ -18,9 +18,9 @@ from numpyro_fed.algorithms.pvi import (
     PVISiloState,
     apply_update,
 )
-from numpyro_fed.algorithms.sfvi import _all_finite
 from numpyro_fed.expfam import is_valid
 from numpyro_fed.protocol import SiloData
+from numpyro_fed.util import all_finite
 
 __all__ = ["event_round", "synchronous_round"]
 
@@ -44,7 +44,7 @@ def _prior_update(fns: PVIFunctions, server: PVIServerState):
         return server, jnp.ones((), server.q.h.dtype)
     message = fns.message_of(server.q, server.prior, server.theta)
     reply, prior_silo = fns.prior_step(message, server.prior_silo, None)
-    ok = _all_finite(reply.delta)
+    ok = all_finite(reply.delta)
     q, scale = apply_update(server.q, _where(ok, reply.delta, _zeros(reply.delta)))
     prior_silo = _commit(prior_silo, reply.delta, scale, ok)
     server = server._replace(q=q, prior=prior_silo.factor, prior_silo=prior_silo)
@@ -73,7 +73,7 @@ def _server_finish(
         jax.tree.map(jnp.negative, grads), server.optim_state, server.theta
     )
     theta = optax.apply_updates(server.theta, updates)
-    ok = _all_finite(theta)
+    ok = all_finite(theta)
     q, prior = server.q, server.prior
     if fns.prior_of is not None:
         # An exact prior that depends on theta moves q with it (q = p * prod t_m).
@@ -105,7 +105,7 @@ def synchronous_round(
     replies, new_silos = jax.vmap(fns.silo_step, in_axes=(None, 0, 0))(
         message, silos, data
     )
-    finite = jax.vmap(_all_finite)((replies.delta, replies.elbo, replies.grad_theta))
+    finite = jax.vmap(all_finite)((replies.delta, replies.elbo, replies.grad_theta))
     used = participating & finite & replies.valid_cavity
     weights = lambda x: used.reshape((-1,) + (1,) * (x.ndim - 1))  # noqa: E731
     total = jax.tree.map(
@@ -114,7 +114,7 @@ def synchronous_round(
     # t_0 and the silos move together from the same q.
     if fns.prior_step is not None:
         reply0, prior_silo = fns.prior_step(message, server.prior_silo, None)
-        ok0 = _all_finite(reply0.delta)
+        ok0 = all_finite(reply0.delta)
         total = total.plus(_where(ok0, reply0.delta, _zeros(reply0.delta)))
     q, scale = apply_update(server.q, total)
     if fns.prior_step is not None:
@@ -182,7 +182,7 @@ def event_round(
         silo_data = jax.tree.map(lambda x: x[j], data)
         message = fns.message_of(read, server.prior, server.theta)
         reply, new = fns.silo_step(message, silo, silo_data)
-        finite = _all_finite((reply.delta, reply.elbo, reply.grad_theta))
+        finite = all_finite((reply.delta, reply.elbo, reply.grad_theta))
         used = participating[j] & finite & reply.valid_cavity
         q, scale = apply_update(q, _where(used, reply.delta, _zeros(reply.delta)))
         new = _commit(_where(participating[j], new, silo), reply.delta, scale, used)

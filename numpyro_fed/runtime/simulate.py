@@ -7,9 +7,26 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from numpyro_fed.protocol import FederatedAlgorithm, SiloData
+from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData, select_all
+from numpyro_fed.util import rows_where
 
-__all__ = ["keep_participants", "simulate_round"]
+__all__ = ["contacted_silos", "simulate_round"]
+
+
+def contacted_silos(
+    algorithm: FederatedAlgorithm,
+    server_state: Any,
+    server_key: jax.Array,
+    num_silos: int,
+    participating: jax.Array | None,
+) -> jax.Array | None:
+    """The silos contacted this round: the algorithm's ``select`` and the runtime's
+    participation draw together; ``None`` when that is every silo by construction
+    (so a full round adds no selection to the compiled program)."""
+    if algorithm.select is select_all:
+        return participating
+    chosen = algorithm.select(server_state, server_key, num_silos)
+    return chosen if participating is None else chosen & participating
 
 
 def simulate_round(
@@ -24,9 +41,9 @@ def simulate_round(
     """
     One round with every silo stepped at once under :func:`jax.vmap`.
 
-    Pure and jit-able: wrap it in :func:`jax.jit` (the algorithm wrappers do). With
-    partial participation every silo is computed (that is what vmap does) but only
-    participants keep their new state and count at the server.
+    Pure and jit-able. Every silo is computed (that is what vmap does) but only the
+    contacted ones (``select`` and ``participating``) keep their new state and count
+    at the server.
 
     :param FederatedAlgorithm algorithm: the algorithm.
     :param server_state: the server's state.
@@ -38,24 +55,19 @@ def simulate_round(
         in this round (default: all).
     :return: ``(server_state, silo_states, info)``.
     """
+    num_silos = silo_data.mask.shape[0]
+    contacted = contacted_silos(
+        algorithm, server_state, server_key, num_silos, participating
+    )
     message = algorithm.server_message(server_state, server_key)
-    replies, new_states = jax.vmap(algorithm.silo_step, in_axes=(None, 0, 0, 0))(
-        message, silo_states, silo_data, silo_keys
-    )
-    # With everyone taking part, no selection is added to the round.
-    if participating is not None:
-        new_states = keep_participants(participating, new_states, silo_states)
-    silo_states = new_states
+    replies, new_states = jax.vmap(
+        algorithm.silo_step, in_axes=(Message(None, 0), 0, 0, 0)
+    )(message, silo_states, silo_data, silo_keys)
+    if contacted is None:
+        contacted = jnp.ones((num_silos,), bool)
+    else:
+        new_states = rows_where(contacted, new_states, silo_states)
     server_state, info = algorithm.server_step(
-        server_state, replies, server_key, participating
+        server_state, replies, server_key, contacted
     )
-    return server_state, silo_states, info
-
-
-def keep_participants(participating: jax.Array, new: Any, old: Any) -> Any:
-    """Stacked silo states: the new state for participants, the old one otherwise."""
-
-    def select(n, o):
-        return jnp.where(participating.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
-
-    return jax.tree.map(select, new, old)
+    return server_state, new_states, info

@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed.families.structured import _unit_tril
+from numpyro_fed.families.structured import unit_tril
 from numpyro_fed.protocol import silo_data_of
 from tests import _models as m
 
@@ -39,7 +39,7 @@ def test_one_silo_rounds_equal_centralized_steps():
     for k, v in ours.items():
         ref_v = ref_run.params[k]
         if k.endswith("tril"):  # only the strictly lower part is a parameter
-            v, ref_v = _unit_tril(v), _unit_tril(ref_v)
+            v, ref_v = unit_tril(v), unit_tril(ref_v)
         np.testing.assert_allclose(v, ref_v, rtol=1e-8, atol=1e-10)
 
 
@@ -59,7 +59,7 @@ def test_scaled_surrogate_gradient_equals_pooled_gradient():
     avg_state = avg.init(jax.random.key(0), data, init_params=sfvi.get_params(state))
     stepped, _ = sfvi.update(state, data)
     algorithm, _ = avg._build(data)
-    _, keys, silo_keys = avg._round_keys(avg_state, data.num_silos)
+    _, keys, silo_keys = avg._round_keys(avg_state.rng_key, data.num_silos)
     message = algorithm.server_message(avg_state.server, keys)
     replies, _ = jax.vmap(algorithm.silo_step, in_axes=(None, 0, 0, 0))(
         message, avg_state.silos, silo_data_of(data), silo_keys
@@ -104,7 +104,7 @@ def test_silo_message_carries_no_unit_dimension():
     avg = nf.SFVIAvg(fed, nf.AutoStructured(fed), optax.adam(0.05), local_steps=2)
     state = avg.init(jax.random.key(0), data)
     algorithm, _ = avg._build(data)
-    _, keys, silo_keys = avg._round_keys(state, data.num_silos)
+    _, keys, silo_keys = avg._round_keys(state.rng_key, data.num_silos)
     message = algorithm.server_message(state.server, keys)
     reply, _ = algorithm.silo_step(
         message,

@@ -126,7 +126,7 @@ def test_shared_encoder_gradient_is_the_pooled_stl_gradient():
     svi = nf.SFVI(fed, guide, optax.sgd(1.0))
     glob_c, loc_c = guide.param_constraints()
     params = svi.pooled_params(
-        svi.get_params(nf.SFVIState(server, silos, key[0])), data
+        svi.get_params(nf.FederatedState(server, silos, key[0])), data
     )
     pooled = partial(_pooled_stl_elbo, guide, data.pooled(), key[0])
     np.testing.assert_allclose(-info.loss, jax.jit(pooled)(params), rtol=1e-10)
@@ -194,13 +194,13 @@ def test_private_encoders_and_inputs_never_leave_the_silo(cls):
     svi = getattr(nf, cls)(fed, guide, optax.adam(0.05), **kwargs)
     state = svi.init(jax.random.key(0), data)
     algorithm, _ = svi._build(data)
-    _, keys, silo_keys = svi._round_keys(state, data.num_silos)
+    _, keys, silo_keys = svi._round_keys(state.rng_key, data.num_silos)
     message = algorithm.server_message(state.server, keys)
     first = jax.tree.map(lambda x: x[0], (state.silos, silo_data_of(data)))
     reply, _ = jax.jit(algorithm.silo_step)(message, *first, silo_keys[0])
     eta_reply = reply.grad_eta_global if cls == "SFVI" else reply.eta_global
     assert set(eta_reply) == {"loc", "scale"}
-    assert set(message.eta_global) == {"loc", "scale"}
+    assert set(message.broadcast.eta_global) == {"loc", "scale"}
     result = svi.run(None, 20, data, init_state=state, progress_bar=False)
     encoders = result.params.eta_local["encoder"]
     assert not np.allclose(encoders[0], encoders[1])

@@ -9,7 +9,7 @@ import numpyro.distributions as dist
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed.families.structured import _unit_tril
+from numpyro_fed.families.structured import unit_tril
 from tests import _models as m
 
 
@@ -34,7 +34,7 @@ def _joint_moments(eta_g, eta_l):
     """Implied joint mean and covariance of (z_G, z_L1, ..., z_LU) [spec §2.2]."""
 
     def cov(scale, tril):
-        factor = scale[:, None] * _unit_tril(tril)
+        factor = scale[:, None] * unit_tril(tril)
         return factor @ factor.T
 
     sigma_gg = cov(eta_g["scale"], eta_g["tril"])
@@ -164,7 +164,7 @@ def test_silo_wide_log_density_is_joint_gaussian():
     )
     terms = guide.log_q_local(eta_g, eta_l, z_g, z_l)
 
-    factor = eta_l["scale"].reshape(-1)[:, None] * _unit_tril(eta_l["silo_tril"])
+    factor = eta_l["scale"].reshape(-1)[:, None] * unit_tril(eta_l["silo_tril"])
     coupling = eta_l["coupling"].reshape(units * n_l, n_g)
     mean = eta_l["loc"].reshape(-1) + coupling @ (z_g - eta_g["loc"])
     cov = factor @ factor.T

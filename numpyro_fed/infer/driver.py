@@ -1,0 +1,399 @@
+# Copyright Contributors to the numpyro-fed project.
+# SPDX-License-Identifier: Apache-2.0
+"""The one driver under every user-facing class: NumPyro's ``init / update /
+stable_update / evaluate / run / get_params`` over any
+:class:`~numpyro_fed.FederatedAlgorithm`, with the key in the state, a layout cache,
+one participation option, one runtime option and one progress bar.
+
+A subclass (``SFVI``, ``PVI``, ...) only says which factory to build
+(:meth:`Driver._make_algorithm`) and how to read its parameters
+(:meth:`Driver.get_params`).
+"""
+
+from functools import partial
+from typing import Any, NamedTuple
+import warnings
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import trange
+
+from numpyro_fed.protocol import FederatedAlgorithm, jit_algorithm, silo_data_of
+from numpyro_fed.runtime import (
+    event_round,
+    event_schedule,
+    sequential_round,
+    simulate_round,
+)
+from numpyro_fed.runtime.events import EventSchedule
+from numpyro_fed.util import all_finite, tree_where
+
+__all__ = ["Driver", "FederatedState", "RunResult", "RUNTIMES"]
+
+RUNTIMES = ("simulate", "sequential", "events")
+
+
+class FederatedState(NamedTuple):
+    """- **server** - the algorithm's server state.
+    - **silos** - the silos' states, stacked along a leading silo axis (in a
+      deployment each silo holds only its own row).
+    - **rng_key** - the key the next round splits.
+    """
+
+    server: Any
+    silos: Any
+    rng_key: jax.Array
+
+
+class RunResult(NamedTuple):
+    """- **params** - the final (constrained) parameters.
+    - **state** - the final state, to resume with ``run(..., init_state=state)``.
+    - **losses** - the negative ELBO estimate of every round.
+    - **history** - the server's info of every round, stacked by field (``loss``,
+      ``rejected``, ...), plus what the algorithm records of its state.
+    """
+
+    params: Any
+    state: Any
+    losses: jax.Array
+    history: dict
+
+
+def _check_options(runtime: str, participation: float, order: str, staleness: int):
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}.")
+    if not 0 < participation <= 1:
+        raise ValueError(f"participation must be in (0, 1], got {participation!r}.")
+    if order not in ("cyclic", "random"):
+        raise ValueError(f"order must be 'cyclic' or 'random', got {order!r}.")
+    if not isinstance(staleness, int) or staleness < 0:
+        raise ValueError(
+            f"max_staleness must be a non-negative int, got {staleness!r}."
+        )
+
+
+class Driver:
+    """
+    The run loop shared by every federated algorithm class.
+
+    :param str runtime: ``"simulate"`` (every silo in one vmapped, jitted round),
+        ``"sequential"`` (one silo after another, in Python) or ``"events"`` (one
+        silo at a time in ``order``, the server updating after each reply; with
+        ``max_staleness > 0`` silos read messages up to that many updates old: the
+        asynchronous schedule).
+    :param float participation: fraction of silos taking part in each round, drawn
+        uniformly at random.
+    :param str order: ``"cyclic"`` or ``"random"`` visiting order (events runtime).
+    :param int max_staleness: largest staleness of a message (events runtime).
+    """
+
+    description = "rounds"
+
+    def __init__(
+        self,
+        *,
+        runtime: str = "simulate",
+        participation: float = 1.0,
+        order: str = "cyclic",
+        max_staleness: int = 0,
+    ) -> None:
+        _check_options(runtime, participation, order, max_staleness)
+        self.runtime = runtime
+        self.participation = participation
+        self.order = order
+        self.max_staleness = max_staleness
+        self._built: dict = {}
+
+    # ------------------------------------------------------------- subclass hooks
+    def _make_algorithm(self, data: Any) -> FederatedAlgorithm:
+        """The algorithm for this data (the guide is already set up)."""
+        raise NotImplementedError
+
+    def _setup(self, data: Any) -> None:
+        """Prepare for this data layout (e.g. trace the model); once per layout."""
+
+    def _round_keys(self, rng_key: jax.Array, num_silos: int):
+        """``(next_rng_key, server_key, silo_keys)`` of one round."""
+        rng_key, server_key, silo_key = jax.random.split(rng_key, 3)
+        return rng_key, server_key, jax.random.split(silo_key, num_silos)
+
+    def _from_params(self, params: Any, data: Any) -> tuple[Any, Any]:
+        """``(server, silos)`` states that start from ``params`` (warm start)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot start from init_params."
+        )
+
+    def _record(self, state: FederatedState) -> dict:
+        """What to keep of the state after each round, besides the server's info."""
+        del state
+        return {}
+
+    def _check_info(self, state: FederatedState, info: Any) -> None:
+        """Raise on an info that must stop the run (``state``: before the round)."""
+
+    def get_params(self, state: FederatedState) -> Any:
+        """The constrained parameters of ``state``."""
+        raise NotImplementedError
+
+    # --------------------------------------------------------------- construction
+    @staticmethod
+    def _layout(data: Any) -> tuple:
+        return (data.sizes, data.padded_size) + tuple(
+            (k, v.shape, str(v.dtype)) for k, v in sorted(data.arrays.items())
+        )
+
+    def _build(self, data: Any):
+        """The algorithm and its round function for this data layout (cached)."""
+        layout = self._layout(data)
+        if layout not in self._built:
+            self._setup(data)
+            algorithm = self._make_algorithm(data)
+            if self.runtime == "simulate":
+                round_fn = jax.jit(partial(simulate_round, algorithm))
+            elif self.runtime == "events":
+                round_fn = jax.jit(
+                    partial(event_round, algorithm, max_staleness=self.max_staleness)
+                )
+            else:
+                round_fn = partial(sequential_round, jit_algorithm(algorithm))
+            self._built[layout] = (algorithm, round_fn)
+        return self._built[layout]
+
+    def _check(self, state: FederatedState, data: Any) -> None:
+        leaves = jax.tree.leaves(state.silos)
+        if not leaves:  # stateless silos
+            return
+        num_silos = leaves[0].shape[0]
+        if num_silos != data.num_silos:
+            raise ValueError(
+                f"The state holds {num_silos} silos but the data hold {data.num_silos}: "
+                f"initialize {type(self).__name__} with this data (.init(key, data))."
+            )
+
+    # ---------------------------------------------------------------- NumPyro API
+    def init(
+        self, rng_key: jax.Array, data: Any, *, init_params: Any = None
+    ) -> FederatedState:
+        """
+        :param jax.random.key rng_key: random key.
+        :param FederatedData data: the silos' data.
+        :param init_params: optional starting (constrained) parameters, e.g. a
+            previous run's ``result.params`` (warm start).
+        :return: the initial state.
+        """
+        algorithm, _ = self._build(data)
+        rng_key, server_key, silo_key = jax.random.split(rng_key, 3)
+        if init_params is not None:
+            server, silos = self._from_params(init_params, data)
+        else:
+            server = jax.jit(algorithm.init_server)(server_key)
+            silo_keys = jax.random.split(silo_key, data.num_silos)
+            silos = jax.jit(jax.vmap(algorithm.init_silo))(
+                silo_keys, silo_data_of(data)
+            )
+        # Strong dtypes: weak-typed leaves would make the jitted round recompile.
+        return jax.tree.map(
+            lambda x: jnp.asarray(x, x.dtype) if hasattr(x, "dtype") else x,
+            FederatedState(server, silos, rng_key),
+        )
+
+    def _participants(self, rng_key: jax.Array, num_silos: int) -> jax.Array | None:
+        if self.participation == 1:
+            return None
+        count = max(1, round(self.participation * num_silos))
+        # fold_in, not split: participation must not shift the round's key chain.
+        order = jax.random.permutation(jax.random.fold_in(rng_key, 7919), num_silos)
+        return jnp.zeros((num_silos,), bool).at[order[:count]].set(True)
+
+    def _schedule(self, rng_key: jax.Array, num_silos: int) -> EventSchedule:
+        """One pass of events; event i's server key continues the round key chain
+        as round i would."""
+
+        def chain(key, _):
+            key, server_key, _ = self._round_keys(key, num_silos)
+            return key, server_key
+
+        _, server_keys = lax.scan(chain, rng_key, None, length=num_silos)
+        schedule = event_schedule(
+            jax.random.fold_in(rng_key, 104729),
+            num_silos,
+            order=self.order,
+            max_staleness=self.max_staleness,
+        )
+        return schedule._replace(server_keys=server_keys)
+
+    def update_with_info(
+        self, state: FederatedState, data: Any, participating: jax.Array | None = None
+    ) -> tuple[FederatedState, Any]:
+        """Like :meth:`update`, returning the server's info (for the events runtime,
+        stacked along a leading event axis) instead of the loss."""
+        self._check(state, data)
+        new_state, info = self._round(state, data, participating)
+        self._check_info(state, info)
+        return new_state, info
+
+    def _round(self, state: FederatedState, data: Any, participating: Any):
+        _, round_fn = self._build(data)
+        num_silos = data.num_silos
+        if participating is None:
+            participating = self._participants(state.rng_key, num_silos)
+        else:
+            participating = jnp.asarray(participating, bool)
+            if participating.shape != (num_silos,):
+                raise ValueError(
+                    f"participating must have shape ({num_silos},), got "
+                    f"{participating.shape}."
+                )
+        rng_key, server_key, silo_keys = self._round_keys(state.rng_key, num_silos)
+        if self.runtime == "events":
+            server_key = self._schedule(state.rng_key, num_silos)
+        server, silos, info = round_fn(
+            state.server,
+            state.silos,
+            silo_data_of(data),
+            server_key,
+            silo_keys,
+            participating,
+        )
+        return FederatedState(server, silos, rng_key), info
+
+    def update(
+        self, state: FederatedState, data: Any, participating: jax.Array | None = None
+    ) -> tuple[FederatedState, jax.Array]:
+        """
+        One round.
+
+        :param FederatedState state: current state.
+        :param FederatedData data: the silos' data.
+        :param jax.Array participating: optional ``(J,)`` booleans naming the silos
+            that take part (e.g. silos that dropped out are False); by default all,
+            or a random ``participation`` fraction.
+        :return: ``(state, loss)``, the loss at the pre-update state (the events
+            runtime: the mean over the round's events).
+        """
+        state, info = self.update_with_info(state, data, participating)
+        return state, _round_loss(info, self.runtime)
+
+    def stable_update(
+        self, state: FederatedState, data: Any, participating: jax.Array | None = None
+    ) -> tuple[FederatedState, jax.Array]:
+        """Like :meth:`update`, but a round whose loss or state is not finite is not
+        applied (the key still advances)."""
+        new_state, loss = self.update(state, data, participating)
+        ok = jnp.isfinite(loss) & all_finite(new_state)
+        kept = tree_where(ok, new_state, state)
+        return kept._replace(rng_key=new_state.rng_key), loss
+
+    def evaluate(self, state: FederatedState, data: Any) -> jax.Array:
+        """The loss (negative ELBO estimate) at ``state``, without updating it."""
+        return self.update(state, data)[1]
+
+    def run(
+        self,
+        rng_key: jax.Array,
+        num_steps: int,
+        data: Any,
+        *,
+        progress_bar: bool = True,
+        stable_update: bool = False,
+        init_state: FederatedState | None = None,
+        init_params: Any = None,
+    ) -> RunResult:
+        """
+        Run ``num_steps`` rounds: inside one ``lax.scan`` without a progress bar,
+        otherwise one jitted round at a time under a tqdm bar (NumPyro's two modes).
+
+        :param jax.random.key rng_key: random key (ignored with ``init_state``).
+        :param int num_steps: number of rounds.
+        :param FederatedData data: the silos' data.
+        :param bool progress_bar: show a tqdm bar (otherwise one ``lax.scan``).
+        :param bool stable_update: skip rounds whose result is not finite.
+        :param init_state: resume from this state.
+        :param init_params: start from these parameters (warm start).
+        :return: :class:`RunResult`.
+        """
+        if not isinstance(num_steps, int) or num_steps < 1:
+            raise ValueError(f"num_steps must be a positive int, got {num_steps!r}.")
+        state = (
+            init_state
+            if init_state is not None
+            else self.init(rng_key, data, init_params=init_params)
+        )
+        self._check(state, data)
+        runtime = self.runtime
+
+        def step(state):
+            new, info = self._round(state, data, None)
+            loss = _round_loss(info, runtime)
+            if stable_update:
+                ok = jnp.isfinite(loss) & all_finite(new)
+                new = tree_where(ok, new, state)._replace(rng_key=new.rng_key)
+            record = {**info._asdict(), **self._record(new), "loss": loss}
+            return new, record
+
+        if runtime == "sequential":  # a Python loop over silos: never traced
+            step_fn = step
+        else:
+            step_fn = jax.jit(step)
+        if not progress_bar and runtime != "sequential":
+            start = state
+            state, history = lax.scan(
+                lambda s, _: step_fn(s), state, None, length=num_steps
+            )
+            self._check_info(start, history)
+        else:
+            state, history = self._loop(step_fn, state, num_steps, progress_bar)
+        _warn_rejected(type(self).__name__, history)
+        return RunResult(self.get_params(state), state, history["loss"], history)
+
+    def _loop(self, step_fn, state, num_steps: int, progress_bar: bool):
+        records = []
+        batch = max(num_steps // 20, 1)
+        with trange(
+            1, num_steps + 1, desc=self.description, disable=not progress_bar
+        ) as bar:
+            for i in bar:
+                before = state
+                state, record = step_fn(state)
+                self._check_info(before, _Info(record))
+                records.append(record)
+                if progress_bar and i % batch == 0:
+                    recent = [r["loss"] for r in records[-batch:]]
+                    recent = np.asarray(jax.device_get(jnp.stack(recent)))
+                    bar.set_postfix_str(
+                        f"avg. loss [{i - batch + 1}-{i}]: {recent.mean():.4f}",
+                        refresh=False,
+                    )
+        return state, jax.tree.map(lambda *x: jnp.stack(x), *records)
+
+
+class _Info:
+    """A recorded round's dict, read like the server's info NamedTuple."""
+
+    def __init__(self, record: dict) -> None:
+        self.__dict__.update(record)
+
+
+def _round_loss(info: Any, runtime: str) -> jax.Array:
+    return jnp.mean(info.loss) if runtime == "events" else info.loss
+
+
+def _warn_rejected(name: str, history: dict) -> None:
+    rejected = history.get("rejected")
+    if rejected is None:
+        return
+    rejected = np.asarray(rejected)
+    if not rejected.any():
+        return
+    per_silo = rejected.reshape(-1, rejected.shape[-1]).sum(0)
+    silos = np.flatnonzero(per_silo)
+    listed = ", ".join(f"silo {j} ({per_silo[j]}x)" for j in silos[:10])
+    more = f" and {len(silos) - 10} more" if len(silos) > 10 else ""
+    warnings.warn(
+        f"{name} rejected {int(per_silo.sum())} silo replies that were not finite "
+        f"or not valid: {listed}{more}. Their data were left out of those rounds; "
+        "see result.history['rejected'].",
+        stacklevel=3,
+    )

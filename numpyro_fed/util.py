@@ -1,0 +1,82 @@
+# Copyright Contributors to the numpyro-fed project.
+# SPDX-License-Identifier: Apache-2.0
+"""Small pytree helpers shared by algorithms, runtimes and the driver."""
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from numpyro.distributions import biject_to
+import optax
+
+__all__ = [
+    "all_finite",
+    "ascent",
+    "constrain",
+    "rows_where",
+    "stack",
+    "take",
+    "tree_where",
+    "unconstrain",
+    "zeros_like_shapes",
+]
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """Whether every floating leaf of ``tree`` is finite (a scalar boolean)."""
+    checks = [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree.leaves(tree)
+        if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
+    ]
+    return jnp.all(jnp.array(checks)) if checks else jnp.array(True)
+
+
+def tree_where(ok: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where the scalar ``ok`` holds, else ``old``, leaf by leaf."""
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+
+def rows_where(rows: jax.Array, new: Any, old: Any) -> Any:
+    """Stacked trees: row j of ``new`` where ``rows[j]``, else row j of ``old``."""
+
+    def pick(n, o):
+        return jnp.where(rows.reshape((-1,) + (1,) * (n.ndim - 1)), n, o)
+
+    return jax.tree.map(pick, new, old)
+
+
+def take(tree: Any, index: Any) -> Any:
+    """Row ``index`` of every leaf of a stacked tree."""
+    return jax.tree.map(lambda x: x[index], tree)
+
+
+def stack(trees: list) -> Any:
+    """Stack a list of trees of equal structure along a new leading axis."""
+    return jax.tree.map(lambda *xs: jnp.stack(xs), *trees)
+
+
+def zeros_like_shapes(shapes: Any) -> Any:
+    """Zeros shaped like the ``jax.ShapeDtypeStruct`` leaves of ``shapes``."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def ascent(
+    optimizer: optax.GradientTransformation, grads: Any, optim_state: Any, params: Any
+) -> tuple[Any, Any]:
+    """One optimizer step *up* the objective whose gradient is ``grads`` (optax
+    minimizes, so it is fed the negative gradient)."""
+    updates, optim_state = optimizer.update(
+        jax.tree.map(jnp.negative, grads), optim_state, params
+    )
+    return optax.apply_updates(params, updates), optim_state
+
+
+def constrain(constraints: dict, values: dict) -> dict:
+    """Map unconstrained ``values`` into their sites' ``constraints``."""
+    return {k: biject_to(constraints[k])(v) for k, v in values.items()}
+
+
+def unconstrain(constraints: dict, values: dict) -> dict:
+    """Map constrained ``values`` to unconstrained space."""
+    return {k: biject_to(constraints[k]).inv(v) for k, v in values.items()}
