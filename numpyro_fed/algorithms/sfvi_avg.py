@@ -36,7 +36,14 @@ from numpyro_fed.algorithms.sfvi import SFVIInfo, initial_globals
 from numpyro_fed.densities import server_log_density, silo_log_density
 from numpyro_fed.families.structured import unit_tril
 from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
-from numpyro_fed.util import all_finite, ascent, constrain, tree_where, unconstrain
+from numpyro_fed.util import (
+    all_finite,
+    ascent,
+    constrain,
+    rows_where,
+    tree_where,
+    unconstrain,
+)
 
 __all__ = [
     "SFVIAvgServerMessage",
@@ -233,11 +240,13 @@ def sfvi_avg(
         return {**others, **gaussian}
 
     def server_step(
-        state: SFVIAvgServerState, replies: SFVIAvgSiloMessage, key, participating=None
+        state: SFVIAvgServerState, replies: SFVIAvgSiloMessage, key, participating
     ):
         del key
         finite = jax.vmap(all_finite)(replies)
-        used = finite if participating is None else finite & participating
+        used = finite & participating
+        # A rejected reply gets weight 0, and 0 * NaN is NaN: zero it out first.
+        replies = rows_where(used, replies, jax.tree.map(jnp.zeros_like, replies))
         sizes = replies.num_units.astype(replies.elbo.dtype)
         weights = jnp.where(used, sizes if weighted else 1.0, 0.0)
         theta = weighted_mean(replies.theta, weights) if state.theta else state.theta

@@ -27,7 +27,6 @@ from numpyro_fed.runtime import (
     sequential_round,
     simulate_round,
 )
-from numpyro_fed.runtime.events import EventSchedule
 from numpyro_fed.util import all_finite, tree_where
 
 __all__ = ["Driver", "FederatedState", "RunResult", "RUNTIMES"]
@@ -207,22 +206,22 @@ class Driver:
         order = jax.random.permutation(jax.random.fold_in(rng_key, 7919), num_silos)
         return jnp.zeros((num_silos,), bool).at[order[:count]].set(True)
 
-    def _schedule(self, rng_key: jax.Array, num_silos: int) -> EventSchedule:
-        """One pass of events; event i's server key continues the round key chain
-        as round i would."""
+    def _schedule(self, rng_key: jax.Array, num_silos: int):
+        """``(next_rng_key, schedule)`` of one pass of events: event i's server key
+        continues the key chain as round i would, so one silo's events are rounds."""
 
         def chain(key, _):
             key, server_key, _ = self._round_keys(key, num_silos)
             return key, server_key
 
-        _, server_keys = lax.scan(chain, rng_key, None, length=num_silos)
+        next_key, server_keys = lax.scan(chain, rng_key, None, length=num_silos)
         schedule = event_schedule(
             jax.random.fold_in(rng_key, 104729),
             num_silos,
             order=self.order,
             max_staleness=self.max_staleness,
         )
-        return schedule._replace(server_keys=server_keys)
+        return next_key, schedule._replace(server_keys=server_keys)
 
     def update_with_info(
         self, state: FederatedState, data: Any, participating: jax.Array | None = None
@@ -248,7 +247,7 @@ class Driver:
                 )
         rng_key, server_key, silo_keys = self._round_keys(state.rng_key, num_silos)
         if self.runtime == "events":
-            server_key = self._schedule(state.rng_key, num_silos)
+            rng_key, server_key = self._schedule(state.rng_key, num_silos)
         server, silos, info = round_fn(
             state.server,
             state.silos,

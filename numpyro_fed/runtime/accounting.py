@@ -53,9 +53,13 @@ def round_bytes(
     """The bytes of silo 0's messages in a round from these states (every silo's
     are the same size: states and data are padded to one shape)."""
     message = jax.eval_shape(algorithm.server_message, server_state, server_key)
-    routed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), message.routed)
+    routed = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), message.routed
+    )
     reply = jax.eval_shape(
-        lambda m, s, d, k: algorithm.silo_step(m.at(0), take(s, 0), take(d, 0), k[0])[0],
+        lambda m, s, d, k: algorithm.silo_step(m.at(0), take(s, 0), take(d, 0), k[0])[
+            0
+        ],
         message,
         silo_states,
         silo_data,

@@ -109,7 +109,9 @@ def event_round(
         )
         read = take(buffer, jnp.minimum(lag, max_staleness))
         old = take(silos, j)
-        reply, new = algorithm.silo_step(read.at(j), old, take(silo_data, j), silo_keys[j])
+        reply, new = algorithm.silo_step(
+            read.at(j), old, take(silo_data, j), silo_keys[j]
+        )
         replies = jax.tree.map(lambda z, r: z.at[j].set(r), no_replies, reply)
         contacted = jnp.zeros((num_silos,), bool).at[j].set(chosen)
         new_server, info = algorithm.server_step(server, replies, key, contacted)

@@ -49,9 +49,7 @@ def sequential_round(
     for j in range(num_silos):
         state, data = take(silo_states, j), take(silo_data, j)
         if contacted[j]:
-            reply, state = algorithm.silo_step(
-                message.at(j), state, data, silo_keys[j]
-            )
+            reply, state = algorithm.silo_step(message.at(j), state, data, silo_keys[j])
         else:
             if placeholder is None:
                 shapes = jax.eval_shape(

@@ -1,0 +1,192 @@
+# Copyright Contributors to the numpyro-fed project.
+# SPDX-License-Identifier: Apache-2.0
+"""The same checks for every algorithm factory (STYLE.md rule 14): jitted equals
+eager, a vmap over silos equals a loop, round 2 compiles nothing, float64 survives,
+no message leaf is shaped like a silo's units, a non-finite reply is rejected while
+the run goes on, and the generic runtimes run it with no algorithm named.
+
+Each case builds an algorithm from a factory and the states and keys of one round;
+adding an algorithm means adding one case."""
+
+from functools import partial
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import numpyro_fed as nf
+from numpyro_fed.algorithms.sfvi import noise_keys, sfvi
+from numpyro_fed.algorithms.sfvi_avg import sfvi_avg
+from numpyro_fed.densities import data_template
+from numpyro_fed.protocol import FederatedAlgorithm, jit_algorithm, silo_data_of
+from numpyro_fed.runtime import (
+    event_round,
+    event_schedule,
+    round_bytes,
+    sequential_round,
+    simulate_round,
+)
+from numpyro_fed.util import all_finite, take
+from tests import _models as m
+
+
+class Case(NamedTuple):
+    """- **algorithm** - the factory's output.
+    - **data** - the silos' :class:`~numpyro_fed.FederatedData` (units padded to a
+      size that no parameter has, so a unit axis in a message is detectable).
+    - **server_key** / **silo_keys** - one round's keys.
+    - **poison** - ``(silo_data, j) -> silo_data`` with silo j's data made non-finite.
+    """
+
+    algorithm: FederatedAlgorithm
+    data: Any
+    server_key: Any
+    silo_keys: Any
+    poison: Callable
+
+
+def _hierarchical_data():
+    # 13 groups over 3 silos (5, 4, 4 units): no parameter has 4 or 5 entries.
+    arrays = m.hierarchical_data(num_groups=13, num_obs=6)
+    return nf.FederatedData.from_groups(m.split_groups(13, 3), **arrays)
+
+
+def _poison_y(silo_data, j):
+    y = silo_data.arrays["y"].at[j].set(jnp.nan)
+    return silo_data._replace(arrays={**silo_data.arrays, "y": y})
+
+
+def _structured(data):
+    fed = nf.federate(m.hierarchical, silos="group")
+    guide = nf.AutoStructured(fed)
+    guide.setup(data)
+    return fed, guide
+
+
+def case_sfvi() -> Case:
+    data = _hierarchical_data()
+    fed, guide = _structured(data)
+    algorithm = sfvi(fed, guide, optax.adam(1e-2), data_template(data.silo(0)))
+    keys = noise_keys(jax.random.key(3), 1)
+    silo_keys = jnp.broadcast_to(keys, (data.num_silos,) + keys.shape)
+    return Case(algorithm, data, keys, silo_keys, _poison_y)
+
+
+def case_sfvi_avg() -> Case:
+    data = _hierarchical_data()
+    fed, guide = _structured(data)
+    algorithm = sfvi_avg(
+        fed,
+        guide,
+        optax.adam(1e-2),
+        data_template(data.silo(0)),
+        data.num_units,
+        local_steps=2,
+    )
+    keys = jax.vmap(lambda k: noise_keys(k, 1))(jax.random.split(jax.random.key(3), 2))
+    silo_keys = jnp.broadcast_to(keys, (data.num_silos,) + keys.shape)
+    return Case(algorithm, data, keys, silo_keys, _poison_y)
+
+
+CASES = {"sfvi": case_sfvi, "sfvi_avg": case_sfvi_avg}
+
+
+class Prepared(NamedTuple):
+    """A case with its initial states and one compiled simulated round."""
+
+    case: Case
+    args: tuple
+    round_fn: Callable
+    result: tuple
+
+
+@pytest.fixture(params=sorted(CASES), scope="module")
+def prepared(request):
+    case = CASES[request.param]()
+    algorithm = case.algorithm
+    server = jax.jit(algorithm.init_server)(jax.random.key(0))
+    keys = jax.random.split(jax.random.key(1), case.data.num_silos)
+    silo_data = silo_data_of(case.data)
+    silos = jax.jit(jax.vmap(algorithm.init_silo))(keys, silo_data)
+    args = (server, silos, silo_data, case.server_key, case.silo_keys)
+    round_fn = jax.jit(partial(simulate_round, algorithm))
+    return Prepared(case, args, round_fn, round_fn(*args))
+
+
+def test_jit_equals_eager(prepared):
+    with jax.disable_jit():
+        eager = simulate_round(prepared.case.algorithm, *prepared.args)
+    m.tree_allclose(prepared.result[:2], eager[:2], rtol=1e-9, atol=1e-12)
+
+
+def test_vmap_equals_loop(prepared):
+    looped = sequential_round(jit_algorithm(prepared.case.algorithm), *prepared.args)
+    m.tree_allclose(prepared.result, looped, rtol=1e-10, atol=1e-12)
+
+
+def test_second_round_compiles_nothing(prepared):
+    server, silos, _ = prepared.result
+    size = prepared.round_fn._cache_size()
+    prepared.round_fn(server, silos, *prepared.args[2:])
+    assert prepared.round_fn._cache_size() == size
+
+
+def test_float64_survives(prepared):
+    server, silos = prepared.args[:2]
+    for before, after in zip(
+        jax.tree.leaves((server, silos)),
+        jax.tree.leaves(prepared.result[:2]),
+        strict=True,
+    ):
+        assert after.dtype == before.dtype
+        if jnp.issubdtype(before.dtype, jnp.floating):
+            assert after.dtype == jnp.float64
+
+
+def test_no_message_leaf_has_a_unit_axis(prepared):
+    """Shapes only (nothing runs): neither direction carries a silo's unit axis."""
+    case = prepared.case
+    server, silos, silo_data, server_key, silo_keys = prepared.args
+    algorithm = case.algorithm
+    message = jax.eval_shape(algorithm.server_message, server, server_key)
+    reply = jax.eval_shape(
+        lambda m, s, d, k: algorithm.silo_step(m.at(0), take(s, 0), take(d, 0), k[0])[
+            0
+        ],
+        message,
+        silos,
+        silo_data,
+        silo_keys,
+    )
+    units = {case.data.padded_size, *case.data.sizes}
+    for leaf in jax.tree.leaves((message, reply)):
+        assert not units.intersection(leaf.shape), leaf.shape
+    sizes = round_bytes(algorithm, server, silos, silo_data, server_key, silo_keys)
+    assert sizes.down > 0 and sizes.reply > 0
+
+
+def test_non_finite_reply_is_rejected_and_the_run_goes_on(prepared):
+    server, silos, silo_data, server_key, silo_keys = prepared.args
+    bad = prepared.case.poison(silo_data, 1)
+    new_server, new_silos, info = prepared.round_fn(
+        server, silos, bad, server_key, silo_keys
+    )
+    assert np.asarray(info.rejected).tolist() == [False, True, False]
+    assert bool(all_finite(new_server))
+    assert bool(all_finite(take(new_silos, 0)))
+
+
+def test_events_runtime_runs_it(prepared):
+    case = prepared.case
+    server, silos, silo_data, _, silo_keys = prepared.args
+    schedule = event_schedule(jax.random.key(5), case.data.num_silos, max_staleness=1)
+    keys = jnp.stack([case.server_key] * case.data.num_silos)
+    schedule = schedule._replace(server_keys=keys)
+    server, silos, infos = jax.jit(
+        partial(event_round, case.algorithm, max_staleness=1)
+    )(server, silos, silo_data, schedule, silo_keys)
+    assert np.shape(infos.loss) == (case.data.num_silos,)
+    assert bool(all_finite((server, silos)))
