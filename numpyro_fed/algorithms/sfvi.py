@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from numpyro_fed.densities import server_log_density, silo_log_density
+from numpyro_fed.elbo import draw_global, server_terms, silo_terms
 from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
 from numpyro_fed.util import all_finite, ascent, constrain, tree_where, unconstrain
 
@@ -130,7 +130,6 @@ def sfvi(
     :return: the algorithm.
     :rtype: FederatedAlgorithm
     """
-    plate = guide.roles.silo_plate
     theta_constraints = guide.theta_constraints()
     global_constraints, local_constraints = guide.param_constraints()
     stop = jax.lax.stop_gradient if stl else (lambda x: x)
@@ -148,26 +147,20 @@ def sfvi(
         return Message(SFVIServerMessage(state.theta, state.eta_global, eps))
 
     def silo_term(theta_u, eta_g_u, eta_l_u, eps_g, key, data: SiloData):
-        theta = constrain(theta_constraints, theta_u)
         eta_g = constrain(global_constraints, eta_g_u)
-        eta_l = constrain(local_constraints, eta_l_u)
-        z_g = guide.sample_global(eta_g, eps_g) if eta_g else jnp.zeros((0,))
-        values, _ = guide.constrain_global(z_g)
-        log_q = jnp.zeros(())
-        if eta_l:
-            z_l = guide.sample_local(
-                eta_g, eta_l, z_g, guide.local_noise(key, data.unit_ids)
-            )
-            local_values, log_det = guide.constrain_local(z_l)
-            values.update(local_values)
-            log_q_units = guide.log_q_local(stop(eta_g), stop(eta_l), z_g, z_l)
-            log_q_units = log_q_units - log_det
-            if padded:
-                log_q_units = jnp.where(data.mask, log_q_units, 0.0)
-            log_q = jnp.sum(log_q_units)
-        mask = data.mask if padded else None
-        log_p = silo_log_density(model, plate, data.arrays, mask, {**values, **theta})
-        return log_p - log_q
+        terms = silo_terms(
+            model,
+            guide,
+            draw_global(guide, eta_g, eps_g),
+            constrain(theta_constraints, theta_u),
+            eta_g,
+            constrain(local_constraints, eta_l_u),
+            key,
+            data,
+            stop=stop,
+            padded=padded,
+        )
+        return terms.log_p - terms.log_q
 
     def mean_over_particles(term):
         def objective(*params_and_rest):
@@ -203,15 +196,16 @@ def sfvi(
 
     def server_term(theta_u, eta_g_u, eps_g, key, data):
         del key, data
-        theta = constrain(theta_constraints, theta_u)
         eta_g = constrain(global_constraints, eta_g_u)
-        if not eta_g:
-            values, log_q = {}, jnp.zeros(())
-        else:
-            z_g = guide.sample_global(eta_g, eps_g)
-            values, log_det = guide.constrain_global(z_g)
-            log_q = guide.log_q_global(stop(eta_g), z_g) - log_det
-        log_p = server_log_density(model, plate, template, {**values, **theta})
+        log_p, log_q = server_terms(
+            model,
+            guide,
+            template,
+            draw_global(guide, eta_g, eps_g),
+            constrain(theta_constraints, theta_u),
+            eta_g,
+            stop=stop,
+        )
         return log_p - log_q
 
     server_grad = jax.value_and_grad(mean_over_particles(server_term), argnums=(0, 1))

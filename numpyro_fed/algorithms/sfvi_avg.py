@@ -33,7 +33,7 @@ from numpyro_fed.aggregate import (
     weighted_mean,
 )
 from numpyro_fed.algorithms.sfvi import SFVIInfo, initial_globals
-from numpyro_fed.densities import server_log_density, silo_log_density
+from numpyro_fed.elbo import draw_global, server_terms, silo_terms
 from numpyro_fed.families.structured import unit_tril
 from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
 from numpyro_fed.util import (
@@ -131,7 +131,6 @@ def sfvi_avg(
     :param bool padded: some silos carry padded units.
     :rtype: FederatedAlgorithm
     """
-    plate = guide.roles.silo_plate
     theta_c = guide.theta_constraints()
     global_c, local_c = guide.param_constraints()
     stop = jax.lax.stop_gradient if stl else (lambda x: x)
@@ -158,31 +157,25 @@ def sfvi_avg(
     def surrogate(theta_u, eta_g_u, eta_l_u, key, data: SiloData):
         theta = constrain(theta_c, theta_u)
         eta_g = constrain(global_c, eta_g_u)
-        eta_l = constrain(local_c, eta_l_u)
-        size = jnp.sum(data.mask)
-        scale = num_units / size
-        values, log_q = {}, jnp.zeros(())
-        z_g = jnp.zeros((0,))
-        if eta_g:
-            z_g = guide.sample_global(eta_g, guide.global_noise(key))
-            values, log_det = guide.constrain_global(z_g)
-            log_q = guide.log_q_global(stop(eta_g), z_g) - log_det
-        log_p = server_log_density(model, plate, template, {**values, **theta})
-        log_q_local = jnp.zeros(())
-        if eta_l:
-            z_l = guide.sample_local(
-                eta_g, eta_l, z_g, guide.local_noise(key, data.unit_ids)
-            )
-            local_values, log_det = guide.constrain_local(z_l)
-            values = {**values, **local_values}
-            units = guide.log_q_local(stop(eta_g), stop(eta_l), z_g, z_l) - log_det
-            log_q_local = jnp.sum(jnp.where(data.mask, units, 0.0) if padded else units)
-        mask = data.mask if padded else None
-        log_p_silo = silo_log_density(
-            model, plate, data.arrays, mask, {**values, **theta}
+        scale = num_units / jnp.sum(data.mask)
+        draw = draw_global(guide, eta_g, guide.global_noise(key))
+        log_p, log_q = server_terms(
+            model, guide, template, draw, theta, eta_g, stop=stop
+        )
+        local = silo_terms(
+            model,
+            guide,
+            draw,
+            theta,
+            eta_g,
+            constrain(local_c, eta_l_u),
+            key,
+            data,
+            stop=stop,
+            padded=padded,
         )
         entropy_scale = scale if scale_local_entropy else 1.0
-        return log_p + scale * log_p_silo - log_q - entropy_scale * log_q_local
+        return log_p + scale * local.log_p - log_q - entropy_scale * local.log_q
 
     def particles_mean(theta_u, eta_g_u, eta_l_u, keys, data):
         per = jax.vmap(lambda k: surrogate(theta_u, eta_g_u, eta_l_u, k, data))(keys)

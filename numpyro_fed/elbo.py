@@ -1,0 +1,130 @@
+# Copyright Contributors to the numpyro-fed project.
+# SPDX-License-Identifier: Apache-2.0
+"""The ELBO's per-silo and server terms for a structured family, written once.
+
+For one draw of the global latents :math:`z_G \\sim q_{\\eta_G}` the ELBO splits as
+
+.. math::
+
+    \\underbrace{\\log p_\\theta(z_G) - \\log q_{\\eta_G}(z_G)}_{\\text{server}}
+    + \\sum_j \\underbrace{\\log p_\\theta(y_j, z_{L_j} \\mid z_G)
+    - \\log q_{\\eta_{L_j}}(z_{L_j} \\mid z_G)}_{\\text{silo } j}
+
+(Hassan et al., Supplement S1, eqs. S4-S8). SFVI sends the gradients of the silo
+terms, SFVI-Avg scales them by :math:`N/N_j`, PVI's local free energy uses the silo
+term against a cavity: all read them from here.
+"""
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from numpyro_fed.densities import server_log_density, silo_log_density
+from numpyro_fed.protocol import SiloData
+
+__all__ = ["GlobalDraw", "SiloTerms", "draw_global", "server_terms", "silo_terms"]
+
+
+class GlobalDraw(NamedTuple):
+    """- **z** - the unconstrained global vector :math:`z_G` (``(0,)`` if none).
+    - **values** - the global sites' constrained values, by name.
+    - **log_det** - :math:`\\log |\\det J|` of the constraining map at ``z``.
+    """
+
+    z: jax.Array
+    values: dict
+    log_det: jax.Array
+
+
+class SiloTerms(NamedTuple):
+    """- **log_p** - :math:`\\log p_\\theta(y_j, z_{L_j} \\mid z_G)` (padding masked).
+    - **log_q** - :math:`\\log q(z_{L_j} \\mid z_G)` in the constrained space, summed
+      over the silo's real units (0 without local latents).
+    """
+
+    log_p: jax.Array
+    log_q: jax.Array
+
+
+def draw_global(guide: Any, eta_global: dict, noise: jax.Array) -> GlobalDraw:
+    """:math:`z_G` from the constrained global parameters and standard noise."""
+    if not eta_global:
+        return GlobalDraw(jnp.zeros((0,)), {}, jnp.zeros(()))
+    z = guide.sample_global(eta_global, noise)
+    values, log_det = guide.constrain_global(z)
+    return GlobalDraw(z, values, log_det)
+
+
+def silo_terms(
+    model: Callable,
+    guide: Any,
+    draw: GlobalDraw,
+    theta: dict,
+    eta_global: dict,
+    eta_local: dict,
+    key: jax.Array,
+    data: SiloData,
+    *,
+    stop: Callable = lambda x: x,
+    padded: bool = True,
+    observed_fn: Callable | None = None,
+) -> SiloTerms:
+    """One silo's terms at one global draw; its local latents are drawn here from
+    the silo's own ``key`` (and its units' pooled ids, so any partition of units
+    into silos draws the same noise).
+
+    :param draw: the global draw (:func:`draw_global`).
+    :param dict theta: constrained model parameters.
+    :param dict eta_global: constrained global variational parameters.
+    :param dict eta_local: constrained local variational parameters (may be empty).
+    :param key: the silo's key for its local noise.
+    :param SiloData data: the silo's own data.
+    :param callable stop: applied to the variational parameters inside
+        :math:`\\log q` (``jax.lax.stop_gradient``: sticking the landing).
+    :param bool padded: mask padded units out.
+    :param callable observed_fn: a robust loss on each observation's log-likelihood.
+    """
+    values = dict(draw.values)
+    log_q = jnp.zeros(())
+    if eta_local:
+        noise = guide.local_noise(key, data.unit_ids)
+        z_local = guide.sample_local(eta_global, eta_local, draw.z, noise)
+        local_values, log_det = guide.constrain_local(z_local)
+        values.update(local_values)
+        units = guide.log_q_local(stop(eta_global), stop(eta_local), draw.z, z_local)
+        units = units - log_det
+        if padded:
+            units = jnp.where(data.mask, units, 0.0)
+        log_q = jnp.sum(units)
+    plate = guide.roles.silo_plate
+    mask = data.mask if padded else None
+    log_p = silo_log_density(
+        model,
+        plate,
+        data.arrays,
+        mask,
+        {**values, **theta},
+        observed_fn=observed_fn,
+    )
+    return SiloTerms(log_p, log_q)
+
+
+def server_terms(
+    model: Callable,
+    guide: Any,
+    template: dict,
+    draw: GlobalDraw,
+    theta: dict,
+    eta_global: dict,
+    *,
+    stop: Callable = lambda x: x,
+) -> tuple[jax.Array, jax.Array]:
+    """``(log p(z_G), log q(z_G))``: the server's terms at one global draw, the model
+    run on the data-free ``template``."""
+    log_q = jnp.zeros(())
+    if eta_global:
+        log_q = guide.log_q_global(stop(eta_global), draw.z) - draw.log_det
+    plate = guide.roles.silo_plate
+    log_p = server_log_density(model, plate, template, {**draw.values, **theta})
+    return log_p, log_q
