@@ -28,10 +28,7 @@ import numpy as np
 from numpyro.distributions import constraints
 from numpyro.infer.initialization import init_to_uniform
 
-from numpyro_fed.families.structured import (
-    AutoStructured,
-    _gaussian_log_density,
-)
+from numpyro_fed.families.structured import AutoStructured, gaussian_log_density
 
 __all__ = ["AutoAmortized"]
 
@@ -243,7 +240,7 @@ class AutoAmortized(AutoStructured):
         """Per-unit :math:`\\log q(z_L)`, shape ``(units,)``."""
         del z_g
         loc, scale = self._loc_scale(eta_g, eta_l)
-        return _gaussian_log_density(z_l, loc, scale, None)
+        return gaussian_log_density(z_l, loc, scale, None)
 
     def num_units(self, eta_l: dict) -> int:
         """Units held by one silo: its stored encoder inputs."""

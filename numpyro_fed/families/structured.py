@@ -56,7 +56,7 @@ def _gaussian_log_density_terms(z, loc, scale, tril):
     return -0.5 * _LOG_2PI - jnp.log(scale) - 0.5 * white**2
 
 
-def _gaussian_log_density(z, loc, scale, tril):
+def gaussian_log_density(z, loc, scale, tril):
     """log N(z; loc, diag(scale) L L^T diag(scale)) with L unit lower-triangular."""
     return jnp.sum(_gaussian_log_density_terms(z, loc, scale, tril), -1)
 
@@ -315,7 +315,7 @@ class AutoStructured:
 
     def log_q_global(self, eta_g: dict, z: jax.Array) -> jax.Array:
         """:math:`\\log q_{\\eta_G}(z_G)` in unconstrained space."""
-        return _gaussian_log_density(z, eta_g["loc"], eta_g["scale"], eta_g.get("tril"))
+        return gaussian_log_density(z, eta_g["loc"], eta_g["scale"], eta_g.get("tril"))
 
     def _local_mean(self, eta_g: dict, eta_l: dict, z_g: jax.Array) -> jax.Array:
         mean = eta_l["loc"]
@@ -348,8 +348,8 @@ class AutoStructured:
             return terms.reshape(z_l.shape).sum(-1)
         tril = eta_l.get("tril")
         if tril is None:
-            return _gaussian_log_density(z_l, mean, eta_l["scale"], None)
-        return jax.vmap(_gaussian_log_density)(z_l, mean, eta_l["scale"], tril)
+            return gaussian_log_density(z_l, mean, eta_l["scale"], None)
+        return jax.vmap(gaussian_log_density)(z_l, mean, eta_l["scale"], tril)
 
     # ------------------------------------------------------------ NumPyro guide
     def __call__(self, *args: Any, **kwargs: Any) -> dict:
