@@ -341,7 +341,7 @@ class Driver:
             state, history = lax.scan(
                 lambda s, _: step_fn(s), state, None, length=num_steps
             )
-            self._check_info(start, history)
+            self._check_info(start, _Info(history))
         else:
             state, history = self._loop(step_fn, state, num_steps, progress_bar)
         _warn_rejected(type(self).__name__, history)
