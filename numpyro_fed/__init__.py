@@ -11,12 +11,6 @@ from numpyro_fed import expfam, sgld_diagnostics
 from numpyro_fed.algorithms import (
     DSGLD,
     FSGLD,
-    PVI,
-    FedGVI,
-    InvalidCavity,
-    PVIParams,
-    PVIResult,
-    PVIState,
     RowIndexMismatchError,
     SGLDState,
     VerticalParams,
@@ -38,6 +32,7 @@ from numpyro_fed.diagnostics import compare, format_compare, to_arviz
 from numpyro_fed.families import AutoAmortized, AutoMeanField, AutoStructured
 from numpyro_fed.handlers import federate, silo_plate
 from numpyro_fed.infer.driver import FederatedState, RunResult
+from numpyro_fed.infer.pvi import PVI, FedGVI, InvalidCavity, PVIParams
 from numpyro_fed.infer.vi import SFVI, SFVIAvg, SFVIParams
 from numpyro_fed.partition import ModelRoles, analyze
 from numpyro_fed.protocol import FederatedAlgorithm, SiloData
@@ -60,8 +55,6 @@ __all__ = [
     "InvalidCavity",
     "PVI",
     "PVIParams",
-    "PVIResult",
-    "PVIState",
     "AutoAmortized",
     "AutoMeanField",
     "AutoStructured",

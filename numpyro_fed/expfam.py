@@ -13,22 +13,27 @@ likelihood need not be a density), a *distribution* (a posterior, a cavity) may 
 large precisions loses digits in float32.
 """
 
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from numpyro import handlers
+import numpyro.distributions as dist
+from numpyro.distributions import biject_to, constraints
 
 __all__ = [
     "GaussianNat",
     "expected_log_factor",
     "from_loc_scale",
     "from_moments",
+    "gaussian_prior",
     "is_full",
     "is_valid",
     "kl",
     "log_density",
     "log_normalizer",
+    "prior_summary",
     "renyi",
     "to_loc_scale",
     "to_moments",
@@ -210,3 +215,99 @@ def renyi(q: GaussianNat, p: GaussianNat, alpha: float) -> jax.Array:
     )
     value = log_integral / (alpha - 1.0)
     return jnp.where(is_valid(mix), value, jnp.inf)
+
+
+# ------------------------------------------------- the prior, as a Gaussian
+def _prior_trace(model: Callable, theta: dict, template: dict, key: jax.Array):
+    seeded = handlers.seed(handlers.substitute(model, data=theta), key)
+    with handlers.block():
+        return handlers.trace(seeded).get_trace(**template)
+
+
+def _site_prior(site: dict, full: bool):
+    """The site's prior as (h, prec) over its flattened value, or None if it is not
+    Gaussian on an unconstrained support."""
+    support = site["fn"].support
+    while isinstance(support, constraints.independent):
+        support = support.base_constraint
+    if support is not constraints.real:
+        return None
+    shape = jnp.shape(site["value"])
+    base = site["fn"]
+    while isinstance(base, (dist.Independent, dist.ExpandedDistribution)):
+        base = base.base_dist
+    if isinstance(base, dist.Normal):
+        loc = jnp.broadcast_to(base.loc, shape).reshape(-1)
+        prec = jnp.broadcast_to(1.0 / base.scale**2, shape).reshape(-1)
+        return prec * loc, jnp.diag(prec) if full else prec
+    if full and isinstance(base, dist.MultivariateNormal) and shape == base.loc.shape:
+        prec = base.precision_matrix
+        return prec @ base.loc, prec
+    return None
+
+
+def gaussian_prior(
+    model: Callable, sites: list, template: dict, theta0: dict, full: bool
+) -> Callable | None:
+    """The prior of the flat vector of ``sites`` (in order) as a Gaussian, when it is
+    one: ``theta -> GaussianNat`` for constrained model parameters ``theta``, if every
+    site is Normal (or MultivariateNormal, ``full`` only) on an unconstrained support
+    with parameters that depend on no other latent site; else ``None``.
+
+    :param callable model: the model, run on ``template`` (data-free arrays).
+    :param list sites: the global sites' names.
+    :param dict theta0: model parameters at which the check is made.
+    :param bool full: full-rank (``True``) or diagonal precision.
+    """
+
+    def prior_of(theta: dict, key: Any = None) -> GaussianNat | None:
+        key = jax.random.key(0) if key is None else key
+        trace = _prior_trace(model, theta, template, key)
+        parts = [_site_prior(trace[n], full) for n in sites]
+        if any(p is None for p in parts):
+            return None
+        h = jnp.concatenate([p[0] for p in parts])
+        if full:
+            prec = jax.scipy.linalg.block_diag(*[p[1] for p in parts])
+        else:
+            prec = jnp.concatenate([p[1] for p in parts])
+        return GaussianNat(h, prec)
+
+    first = prior_of(theta0, jax.random.key(1))
+    second = prior_of(theta0, jax.random.key(2))  # other draws of the global sites
+    if first is None or second is None:
+        return None
+    same = all(
+        np.allclose(a, b, rtol=0, atol=0)
+        for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second), strict=True)
+    )
+    return prior_of if same else None
+
+
+def prior_summary(
+    model: Callable,
+    supports: dict,
+    template: dict,
+    theta: dict,
+    key: jax.Array,
+    full: bool,
+    num_draws: int = 2000,
+) -> GaussianNat:
+    """A robust Gaussian summary (median and interquartile range) of the prior's
+    draws of the flat unconstrained vector of the sites in ``supports`` (name ->
+    support, in order): the starting point of a factor standing for a non-Gaussian
+    prior."""
+
+    def draw(k):
+        trace = _prior_trace(model, theta, template, k)
+        flat = [
+            jnp.reshape(biject_to(s).inv(trace[n]["value"]), -1)
+            for n, s in supports.items()
+        ]
+        return jnp.concatenate(flat)
+
+    draws = jax.vmap(draw)(jax.random.split(key, num_draws))
+    center = jnp.median(draws, 0)
+    q25, q75 = jnp.percentile(draws, jnp.array([25.0, 75.0]), axis=0)
+    var = jnp.maximum((q75 - q25) / 1.349, 1e-3) ** 2
+    return from_moments(center, jnp.diag(var) if full else var)

@@ -2,14 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Federated inference algorithms, each a factory of pure functions plus a wrapper."""
 
-from numpyro_fed.algorithms.fedgvi import FedGVI
-from numpyro_fed.algorithms.pvi_wrapper import (
-    PVI,
-    InvalidCavity,
-    PVIParams,
-    PVIResult,
-    PVIState,
-)
+from numpyro_fed.algorithms.fedgvi import fedgvi
+from numpyro_fed.algorithms.pvi import pvi
 from numpyro_fed.algorithms.sfvi import (
     SFVIInfo,
     SFVIServerMessage,
@@ -42,18 +36,14 @@ from numpyro_fed.algorithms.vertical import (
 )
 
 __all__ = [
-    "FedGVI",
+    "fedgvi",
     "CommStats",
     "DSGLD",
     "FSGLD",
     "SGLDState",
     "annealed_step_size",
     "fsgld",
-    "InvalidCavity",
-    "PVI",
-    "PVIParams",
-    "PVIResult",
-    "PVIState",
+    "pvi",
     "SFVIAvgServerMessage",
     "SFVIAvgServerState",
     "SFVIAvgSiloMessage",

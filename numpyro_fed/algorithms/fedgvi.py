@@ -13,7 +13,7 @@ cavity is defined variationally by dropping its own loss,
 :math:`D = KL` and the log-likelihood loss this is exactly PVI.
 """
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 from jax import lax
@@ -21,8 +21,7 @@ import jax.numpy as jnp
 import numpyro.distributions as dist
 import optax
 
-from numpyro_fed.algorithms.pvi import PVIServerMessage
-from numpyro_fed.algorithms.pvi_wrapper import PVI
+from numpyro_fed.algorithms.pvi import Cavity, pvi
 from numpyro_fed.expfam import (
     GaussianNat,
     expected_log_factor,
@@ -32,14 +31,17 @@ from numpyro_fed.expfam import (
     kl,
     renyi,
 )
+from numpyro_fed.protocol import FederatedAlgorithm
 from numpyro_fed.util import constrain
 
 __all__ = [
-    "FedGVI",
+    "FedGVIServerMessage",
     "beta_divergence_loss",
+    "fedgvi",
     "gce_loss",
     "gvi_posterior",
     "renyi_divergence",
+    "variational_cavity",
 ]
 
 
@@ -183,140 +185,111 @@ def gvi_posterior(
     return unpack(_newton(objective, x0, num_steps))
 
 
-class FedGVI(PVI):
-    """
-    Federated generalized VI with a variational cavity (Patel, 2024) on the PVI
-    machinery: the same schedules, damping, validity checks and local latents, with
+# ------------------------------------------------------------ the algorithm
+class FedGVIServerMessage(NamedTuple):
+    """Server -> silos, the broadcast part.
 
-    - a robust loss in place of each observation's log-likelihood (``loss``),
-    - a divergence :math:`D` to the prior (``divergence``) for the server's posterior
-      and for each silo's cavity, which the silo computes from the aggregated
-      :math:`\\sum_k \\eta_k` minus its own factor: the server never sends another
-      silo's factor.
-
-    With ``loss="nll"`` and ``divergence="kl"`` the run is PVI's.
-
-    :param callable model: a federated model.
-    :param guide: as for :class:`~numpyro_fed.PVI`.
-    :param local_optim: each silo's optax optimizer.
-    :param loss: ``"nll"``, ``("gce", gamma)`` (generalized cross-entropy),
-        ``("beta", beta)`` (density power), or a callable ``(site, log_prob) ->
-        value`` applied to each observation's log-likelihood.
-    :param divergence: ``"kl"`` or ``("renyi", alpha)`` with ``alpha`` in (0, 1).
-    :param int cavity_steps: Newton iterations for a non-KL variational cavity.
-    :param kwargs: the remaining :class:`~numpyro_fed.PVI` options.
-
-    **References:**
-
-    1. *Variational cavity for federated generalized variational inference*,
-       Patel (2024).
-
-    **Example:**
-
-    .. doctest::
-
-        >>> import jax, jax.numpy as jnp, optax
-        >>> import numpyro, numpyro.distributions as dist
-        >>> import numpyro_fed as nf
-        >>> def model(x, y=None):
-        ...     w = numpyro.sample("w", dist.Normal(0.0, 1.0))
-        ...     with numpyro.plate("data", x.shape[0]):
-        ...         numpyro.sample("y", dist.Bernoulli(logits=w * x), obs=y)
-        >>> fed = nf.federate(model, silos="data")
-        >>> x = jnp.linspace(-2, 2, 40)
-        >>> data = nf.FederatedData.from_groups(jnp.arange(40) % 4, x=x, y=1.0 * (x > 0))
-        >>> gvi = nf.FedGVI(fed, loss=("gce", 0.5), local_steps=20, schedule="sequential")
-        >>> result = gvi.run(jax.random.key(0), 1, data, progress_bar=False)
-        >>> bool(result.params.eta_global["loc"][0] > 0)
-        True
-        >>> # A Renyi-alpha divergence in place of KL (variational cavity by Newton):
-        >>> renyi = nf.FedGVI(fed, loss=("gce", 0.5), divergence=("renyi", 0.5))
+    - **q** - the server's GVI posterior :math:`q_s` (the silos' starting point).
+    - **theta** - unconstrained model parameters.
+    - **aggregate** - :math:`\\sum_k \\eta_k`, the silos' factors summed (never an
+      individual one).
     """
 
-    def __init__(
-        self,
-        model: Callable,
-        guide: Any = None,
-        local_optim: optax.GradientTransformation | None = None,
-        *,
-        loss: Any = "nll",
-        divergence: Any = "kl",
-        cavity_steps: int = 20,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(model, guide, local_optim, **kwargs)
-        self.observed_fn = _resolve_loss(loss)
-        self.divergence = _resolve_divergence(divergence)
-        if not isinstance(cavity_steps, int) or cavity_steps < 1:
-            raise ValueError(
-                f"cavity_steps must be a positive int, got {cavity_steps!r}."
-            )
-        self.cavity_steps = cavity_steps
+    q: GaussianNat
+    theta: dict
+    aggregate: GaussianNat
 
-    def _pvi_options(self, prior_of: Callable | None) -> dict:
-        if prior_of is None and self.divergence is not kl:
+
+def variational_cavity(
+    divergence: Callable, prior_at: Callable | None, num_steps: int = 20
+) -> Cavity:
+    """Fed-GVI's messages and cavity: the server sends :math:`q_s` and the aggregate;
+    silo :math:`m`'s cavity is the GVI posterior of the aggregate less its own factor.
+
+    :param callable divergence: ``(q, p) -> D(q || p)``.
+    :param callable prior_at: ``theta -> GaussianNat`` (unconstrained ``theta``), the
+        exact Gaussian prior; ``None`` when the server refines a factor for a
+        non-Gaussian prior (KL only: the cavity is then PVI's :math:`q / t_m`).
+    :param int num_steps: Newton iterations of a non-KL :func:`gvi_posterior`.
+    :rtype: ~numpyro_fed.algorithms.pvi.Cavity
+    """
+    if prior_at is None:
+        if divergence is not kl:
             raise NotImplementedError(
                 "A divergence other than KL needs a prior that is Gaussian in "
                 "unconstrained space (Normal or MultivariateNormal on real sites, with "
                 "fixed parameters); this model's prior is not."
             )
-        divergence, steps = self.divergence, self.cavity_steps
-        theta_c = self.guide.theta_constraints()
-
-        def prior_at(theta_u):
-            return prior_of(constrain(theta_c, theta_u))
-
-        def message_of(q, prior, theta):
-            # The server's authoritative state is prior + sum_k eta_k; it sends the
-            # aggregate and its GVI posterior, never an individual factor.
-            aggregate = q.minus(prior)
-            q_s = gvi_posterior(aggregate, prior, divergence, steps)
-            return PVIServerMessage(q_s, theta, aggregate)
-
-        def cavity_of(message, factor):
-            aggregate = message.aggregate.minus(factor)
-            return gvi_posterior(aggregate, prior_at(message.theta), divergence, steps)
-
-        if prior_of is None:  # KL with a refined prior factor: PVI's cavity
-
-            def cavity_of(message, factor):  # noqa: F811
-                return message.q.minus(factor)
-
-            def message_of(q, prior, theta):  # noqa: F811
-                return PVIServerMessage(q, theta, q.minus(prior))
-
-        return dict(
-            observed_fn=self.observed_fn,
-            cavity_of=cavity_of,
-            message_of=message_of,
-            divergence=divergence,
+        return Cavity(
+            lambda q, prior, theta: FedGVIServerMessage(q, theta, q.minus(prior)),
+            lambda message, factor: message.q.minus(factor),
+            divergence,
         )
 
+    def message(q, prior, theta):
+        # The server's authoritative state is prior + sum_k eta_k; it sends the
+        # aggregate and its GVI posterior, never an individual factor.
+        aggregate = q.minus(prior)
+        q_s = gvi_posterior(aggregate, prior, divergence, num_steps)
+        return FedGVIServerMessage(q_s, theta, aggregate)
 
-def _resolve_loss(loss: Any) -> Callable | None:
-    if loss == "nll" or loss is None:
-        return None
-    if callable(loss):
-        return loss
-    if isinstance(loss, tuple) and len(loss) == 2:
-        kind, value = loss
-        if kind == "gce":
-            return gce_loss(value)
-        if kind == "beta":
-            return beta_divergence_loss(value)
-    raise ValueError(
-        f"loss must be 'nll', ('gce', gamma), ('beta', beta) or a callable; got "
-        f"{loss!r}."
-    )
+    def of(message, factor):
+        aggregate = message.aggregate.minus(factor)
+        return gvi_posterior(aggregate, prior_at(message.theta), divergence, num_steps)
+
+    return Cavity(message, of, divergence)
 
 
-def _resolve_divergence(divergence: Any) -> Callable:
-    if divergence == "kl":
-        return kl
-    if isinstance(divergence, tuple) and len(divergence) == 2:
-        kind, alpha = divergence
-        if kind == "renyi":
-            return renyi_divergence(alpha)
-    raise ValueError(
-        f"divergence must be 'kl' or ('renyi', alpha); got {divergence!r}."
+def fedgvi(
+    model: Callable,
+    guide: Any,
+    local_optim: optax.GradientTransformation,
+    template: dict,
+    *,
+    prior_of: Callable | None,
+    loss: Callable | None = None,
+    divergence: Callable = kl,
+    cavity_steps: int = 20,
+    **pvi_options: Any,
+) -> FederatedAlgorithm:
+    """
+    Build Fed-GVI with a variational cavity (Patel, 2024): PVI
+    (:func:`~numpyro_fed.algorithms.pvi.pvi`) with ``loss`` in place of each
+    observation's log-likelihood and :func:`variational_cavity` in place of
+    :math:`q / t_m`.
+
+    :param callable model: the federated model.
+    :param guide: an :class:`~numpyro_fed.AutoStructured` guide, already set up.
+    :param local_optim: the silos' optax optimizer.
+    :param dict template: data-free arrays shaped like one unit of silo data.
+    :param callable prior_of: as for :func:`~numpyro_fed.algorithms.pvi.pvi`.
+    :param callable loss: ``(site, log_prob) -> value`` per observation (e.g.
+        :func:`gce_loss`); ``None`` keeps the log-likelihood.
+    :param callable divergence: ``(q, p) -> D(q || p)`` (e.g.
+        :func:`renyi_divergence`); :func:`~numpyro_fed.expfam.kl` gives PVI's cavity.
+    :param int cavity_steps: Newton iterations for a non-KL variational cavity.
+    :param pvi_options: the remaining keyword arguments of
+        :func:`~numpyro_fed.algorithms.pvi.pvi` (``num_silos``, ``local_steps``,
+        ``damping``, ...).
+    :rtype: FederatedAlgorithm
+
+    **References:**
+
+    1. *Variational cavity for federated generalized variational inference*,
+       Patel (2024).
+    """
+    theta_c = guide.theta_constraints()
+    prior_at = None
+    if prior_of is not None:
+        prior_at = lambda theta: prior_of(constrain(theta_c, theta))
+    cavity = variational_cavity(divergence, prior_at, cavity_steps)
+    return pvi(
+        model,
+        guide,
+        local_optim,
+        template,
+        prior_of=prior_of,
+        observed_fn=loss,
+        cavity=cavity,
+        **pvi_options,
     )

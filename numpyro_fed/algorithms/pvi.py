@@ -1,6 +1,7 @@
 # Copyright Contributors to the numpyro-fed project.
 # SPDX-License-Identifier: Apache-2.0
-"""PVI: partitioned variational inference (Bui et al.), as pure functions.
+"""PVI: partitioned variational inference (Bui et al.), as a
+:class:`~numpyro_fed.FederatedAlgorithm`.
 
 The posterior over the flat unconstrained global vector :math:`u` is
 :math:`q(u) = p(u) \\prod_m t_m(u)` with Gaussian factors in natural parameters
@@ -14,15 +15,17 @@ The posterior over the flat unconstrained global vector :math:`u` is
 (the ordinary ELBO on its own data with the cavity as prior; local latents
 :math:`z_m` keep their own guide, which never leaves the silo), and sends only
 :math:`\\Delta\\eta_m = \\rho(\\eta_{q}^{new} - \\eta_q)`. The server adds what it
-receives, shrinking the step until :math:`q` stays a valid Gaussian, and acknowledges
-the applied fraction so that every silo's factor stays in step with the server
-(:math:`\\eta_q = \\eta_0 + \\sum_m \\eta_m` at every round, the paper's Property 2).
+receives, shrinking the step until :math:`q` stays a valid Gaussian, and records the
+fraction :math:`s_m` it applied to each silo's update; the silo reads it in its row of
+the next routed message and commits :math:`s_m \\Delta\\eta_m` before it steps again,
+so :math:`\\eta_q = \\eta_0 + \\sum_m (\\eta_m + s_m \\Delta\\eta_m)` after every server
+step (the paper's Property 2), under any runtime.
 
 When the prior is not Gaussian in unconstrained space (a ``HalfNormal`` scale, a
 hierarchical prior), the server keeps an in-family factor :math:`t_0` for it and
-refines it like any silo factor, with the prior (and the log-Jacobian of the transform)
-as its "likelihood" (Bui et al., Appendix B.2); its fixed point is then global VI in the
-same family.
+refines it at each server step like a silo factor, with the prior (and the log-Jacobian
+of the transform) as its "likelihood" (Bui et al., App. B.2); its fixed point is then
+global VI in the same family.
 """
 
 from typing import Any, Callable, NamedTuple
@@ -33,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from numpyro_fed.algorithms.sfvi import noise_keys
+from numpyro_fed.algorithms.sfvi import initial_globals, noise_keys
 from numpyro_fed.densities import server_log_density, silo_log_density
 from numpyro_fed.expfam import (
     GaussianNat,
@@ -42,20 +45,23 @@ from numpyro_fed.expfam import (
     is_valid,
     kl,
     log_density,
+    prior_summary,
     to_loc_scale,
     to_moments,
 )
-from numpyro_fed.protocol import SiloData
-from numpyro_fed.util import all_finite, constrain, unconstrain
+from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
+from numpyro_fed.util import all_finite, ascent, constrain, tree_where, unconstrain
 
 __all__ = [
-    "PVIFunctions",
+    "Cavity",
     "PVIInfo",
     "PVIServerMessage",
     "PVIServerState",
     "PVISiloMessage",
     "PVISiloState",
     "apply_update",
+    "guide_params",
+    "kl_cavity",
     "pvi",
 ]
 
@@ -65,13 +71,17 @@ _LOG_2PI_E = float(np.log(2 * np.pi) + 1.0)
 class PVISiloState(NamedTuple):
     """Everything a silo keeps (none of it leaves the silo).
 
-    - **factor** - its approximate likelihood factor :math:`t_m` (natural parameters).
+    - **factor** - its approximate likelihood factor :math:`t_m` (natural parameters),
+      as committed.
+    - **pending** - the update :math:`\\Delta\\eta_m` it last sent, committed (times
+      the server's acknowledgement) at its next step; zero when there is none.
     - **eta_local** - unconstrained parameters of its local guide (units first).
     - **optim_state** - its optimizer's state over (global q, local guide).
-    - **rng_key** - its own key chain for Monte Carlo noise.
+    - **rng_key** - its own key chain for Monte Carlo noise, across rounds.
     """
 
     factor: GaussianNat
+    pending: GaussianNat
     eta_local: dict
     optim_state: Any
     rng_key: jax.Array
@@ -83,32 +93,30 @@ class PVIServerState(NamedTuple):
       :math:`t_0` standing for a non-Gaussian one.
     - **theta** - unconstrained model parameters (``numpyro.param`` sites).
     - **optim_state** - the server optimizer's state over ``theta``.
-    - **prior_silo** - the state of the :math:`t_0` refinement (``None`` with an exact
-      Gaussian prior).
-    - **stale** - the asynchronous schedule's recent versions of :math:`q`, newest
-      first (``None`` for the other schedules).
+    - **ack** - ``(J,)``: the fraction of each silo's last update that the server
+      applied (0 if it was dropped), sent back in the next routed message.
+    - **prior_optim**, **prior_key** - the :math:`t_0` refinement's optimizer state
+      and key chain (kept, unused, with an exact prior: the structure is fixed).
     """
 
     q: GaussianNat
     prior: GaussianNat
     theta: dict
     optim_state: Any
-    prior_silo: PVISiloState | None
-    stale: GaussianNat | None
+    ack: jax.Array
+    prior_optim: Any
+    prior_key: jax.Array
 
 
 class PVIServerMessage(NamedTuple):
-    """Server -> silo: the current posterior and model parameters.
+    """Server -> silos, the broadcast part (the routed part is each silo's ``ack``).
 
-    - **q** - :math:`\\eta_q` (Fed-GVI: the server's GVI posterior :math:`q_s`).
+    - **q** - :math:`\\eta_q`.
     - **theta** - unconstrained model parameters.
-    - **aggregate** - Fed-GVI only: :math:`\\sum_k \\eta_k`, the silos' factors
-      summed (never an individual one); ``None`` for PVI.
     """
 
     q: GaussianNat
     theta: dict
-    aggregate: GaussianNat | None = None
 
 
 class PVISiloMessage(NamedTuple):
@@ -130,49 +138,45 @@ class PVISiloMessage(NamedTuple):
 
 
 class PVIInfo(NamedTuple):
-    """- **elbo** - the global free energy estimate: the silos' terms, each at the
-      :math:`q` it received, plus the server's :math:`-KL(q \\| p)` at the round's
-      start.
-    - **scale** - the smallest fraction of a proposed update the server applied
-      (< 1 when it had to shrink a step to keep :math:`q` valid).
-    - **num_rejected** - silo updates dropped because they were not finite.
+    """- **loss** - minus the global free energy estimate: the contributing silos'
+      terms (each at the :math:`q` it received, scaled by :math:`J` over their count)
+      plus the server's :math:`-D(q \\| p)` at the step's start.
+    - **rejected** - ``(J,)``: replies that arrived and were dropped (not finite, or
+      from an invalid cavity).
+    - **scale** - the fraction of the summed update the server applied (< 1 when it
+      had to shrink the step to keep :math:`q` valid).
     - **invalid_cavity** - index of a silo whose cavity was not a valid Gaussian, or -1.
     """
 
-    elbo: jax.Array
+    loss: jax.Array
+    rejected: jax.Array
     scale: jax.Array
-    num_rejected: jax.Array
     invalid_cavity: jax.Array
 
 
-class PVIFunctions(NamedTuple):
-    """PVI's pure functions (built by :func:`pvi`).
+class Cavity(NamedTuple):
+    """What the server sends and how a silo divides it by its own factor.
 
-    - **init_silo** - ``(key, silo_data, q) -> PVISiloState``.
-    - **init_prior_silo** - ``(key) -> PVISiloState`` for :math:`t_0` (or ``None``).
-    - **silo_step** - ``(message, silo_state, silo_data) -> (reply, silo_state)``:
-      the silo's local optimization; its factor is not changed yet.
-    - **prior_step** - the server's own step on :math:`t_0`, same signature (data
-      ignored), or ``None``.
-    - **server_elbo** - ``(q, theta, key) -> (value, grad_theta)``: the server's
-      term :math:`E_q[\\log p(u)] + H(q)` (exact: :math:`-KL(q\\|p)`).
-    - **prior_of** - ``(unconstrained theta) -> GaussianNat``: the exact prior, or
-      ``None``.
-    - **to_guide** / **from_guide** - conversions between :math:`\\eta_q` and the
-      guide's constrained global parameters.
-    - **message_of** - ``(q, prior, theta) -> PVIServerMessage``: what the server
-      sends when its authoritative natural parameters are ``q``.
+    - **message** - ``(q, prior, theta) -> broadcast``: the broadcast part of the
+      server's message when its authoritative natural parameters are ``q``; it has
+      at least the fields ``q`` (the silos' starting point) and ``theta``.
+    - **of** - ``(broadcast, factor) -> GaussianNat``: a silo's cavity.
+    - **divergence** - ``(q, prior) -> D(q || prior)``, the server's (exact prior) term.
     """
 
-    init_silo: Callable
-    init_prior_silo: Callable | None
-    silo_step: Callable
-    prior_step: Callable | None
-    server_elbo: Callable
-    prior_of: Callable | None
-    to_guide: Callable
-    from_guide: Callable
-    message_of: Callable
+    message: Callable
+    of: Callable
+    divergence: Callable
+
+
+def kl_cavity() -> Cavity:
+    """PVI's cavity :math:`q / t_m`, with :math:`q` sent as it is and the KL
+    divergence to the prior."""
+    return Cavity(
+        message=lambda q, prior, theta: PVIServerMessage(q, theta),
+        of=lambda message, factor: message.q.minus(factor),
+        divergence=kl,
+    )
 
 
 def apply_update(q: GaussianNat, delta: GaussianNat, max_halvings: int = 30):
@@ -198,8 +202,14 @@ def apply_update(q: GaussianNat, delta: GaussianNat, max_halvings: int = 30):
     return q.plus(delta.times(s)), s
 
 
-def _select(ok, new, old):
-    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+def guide_params(q: GaussianNat, full: bool) -> dict:
+    """:math:`\\eta_q` as the guide's constrained global parameters (``loc``,
+    ``scale`` and, for a full-rank family, ``tril``)."""
+    loc, scale, tril = to_loc_scale(q)
+    params = {"loc": loc, "scale": scale}
+    if full:
+        params["tril"] = tril
+    return params
 
 
 def _sigma_points(q: GaussianNat) -> jax.Array:
@@ -218,31 +228,40 @@ def pvi(
     local_optim: optax.GradientTransformation,
     template: dict,
     *,
+    num_silos: int,
     local_steps: int,
     damping: float,
     prior_of: Callable | None,
+    hyper_optim: optax.GradientTransformation | None = None,
     num_particles: int = 1,
     analytic_kl: bool = True,
     stl: bool = True,
     local_solver: str = "adam",
     padded: bool = True,
     observed_fn: Callable | None = None,
-    cavity_of: Callable | None = None,
-    message_of: Callable | None = None,
-    divergence: Callable | None = None,
-) -> PVIFunctions:
+    cavity: Cavity | None = None,
+) -> FederatedAlgorithm:
     """
-    Build PVI's pure functions.
+    Build PVI (Bui et al.) as a :class:`~numpyro_fed.FederatedAlgorithm`.
+
+    Synchronous PVI is this algorithm under the vmapped simulation runtime; the
+    sequential and asynchronous schedules are the events runtime with no staleness
+    and with staleness. The silo's key argument is not used: a silo draws its noise
+    from the key chain in its state.
 
     :param callable model: the federated model.
     :param guide: an :class:`~numpyro_fed.AutoStructured` guide, already set up; its
         global factor (``global_cov="diag"`` or ``"full"``) is the PVI family.
     :param local_optim: the silos' optax optimizer.
     :param dict template: data-free arrays shaped like one unit of silo data.
+    :param int num_silos: :math:`J` (the server keeps one acknowledgement per silo).
     :param int local_steps: optimizer steps (or fixed-point iterations) per round.
     :param float damping: :math:`\\rho \\in (0, 1]` (1 = undamped).
-    :param callable prior_of: ``theta -> GaussianNat``, the exact Gaussian prior of the
-        global vector, or ``None`` to approximate the prior by a refined factor.
+    :param callable prior_of: ``theta -> GaussianNat`` (constrained ``theta``), the
+        exact Gaussian prior of the global vector, or ``None`` to approximate the
+        prior by a refined factor.
+    :param hyper_optim: the server's optax optimizer for ``numpyro.param`` sites
+        (default ``optax.adam(1e-2)``).
     :param int num_particles: Monte Carlo draws per local step.
     :param bool analytic_kl: closed-form :math:`KL(q \\| q^{\\backslash m})`; otherwise
         a Monte Carlo estimate, as NumPyro's ``Trace_ELBO`` would compute it.
@@ -254,12 +273,9 @@ def pvi(
     :param bool padded: some silos carry padded units that must be masked out.
     :param callable observed_fn: a robust loss applied to each observation's
         log-likelihood (see :func:`~numpyro_fed.densities.silo_log_density`).
-    :param callable cavity_of: ``(message, factor) -> cavity``; PVI's is
-        :math:`q / t_m`.
-    :param callable message_of: ``(q, prior, theta) -> message``; PVI's sends ``q``.
-    :param callable divergence: ``(q, prior) -> D(q || prior)`` for the server's
-        term; PVI's is the KL divergence.
-    :rtype: PVIFunctions
+    :param Cavity cavity: what the server sends and how a silo forms its cavity
+        (default :func:`kl_cavity`, PVI's :math:`q / t_m`).
+    :rtype: FederatedAlgorithm
     """
     plate = guide.roles.silo_plate
     theta_c = guide.theta_constraints()
@@ -267,16 +283,12 @@ def pvi(
     full = guide.global_cov == "full"
     dim = guide.global_dim
     stop = lax.stop_gradient if stl else (lambda x: x)
+    hyper_optim = hyper_optim or optax.adam(1e-2)
+    cavity = cavity or kl_cavity()
+    dtype = jnp.result_type(float)
 
-    def to_guide(q: GaussianNat) -> dict:
-        loc, scale, tril = to_loc_scale(q)
-        params = {"loc": loc, "scale": scale}
-        if full:
-            params["tril"] = tril
-        return params
-
-    def from_guide(params: dict) -> GaussianNat:
-        return from_loc_scale(params["loc"], params["scale"], params.get("tril"))
+    to_guide = lambda q: guide_params(q, full)
+    from_guide = lambda p: from_loc_scale(p["loc"], p["scale"], p.get("tril"))
 
     def entropy(eta_g: dict) -> jax.Array:
         return jnp.sum(jnp.log(eta_g["scale"])) + 0.5 * dim * _LOG_2PI_E
@@ -330,7 +342,7 @@ def pvi(
     def make_step(is_prior: bool):
         term = prior_term if is_prior else silo_term
 
-        def free_energy(params, theta_u, cavity, keys, data):
+        def free_energy(params, theta_u, cav, keys, data):
             glob_u, eta_l_u = params
             eta_g = constrain(glob_c, glob_u)
 
@@ -339,14 +351,14 @@ def pvi(
                 if analytic_kl:
                     return value
                 log_q = guide.log_q_global(stop(eta_g), z_g)
-                return value + log_density(cavity, z_g, normalized=False) - log_q
+                return value + log_density(cav, z_g, normalized=False) - log_q
 
             value = jnp.mean(jax.vmap(particle)(keys))
             if analytic_kl:
                 # -KL(q || cavity) up to the cavity's constant log-normalizer, which
                 # is not needed (and not finite for t_0's improper cavity).
                 q = from_guide(eta_g)
-                value = value + expected_log_factor(cavity, q) + entropy(eta_g)
+                value = value + expected_log_factor(cav, q) + entropy(eta_g)
             return value
 
         def data_value(glob_u, eta_l_u, theta_u, keys, data):
@@ -358,18 +370,18 @@ def pvi(
             lambda *a: -free_energy(*a)  # optax minimizes
         )
 
-        def adam_fit(message, state, data, cavity):
+        def adam_fit(message, state, data, cav):
             params = (unconstrain(glob_c, to_guide(message.q)), state.eta_local)
 
             def one_step(carry, _):
                 params, optim_state, key = carry
                 key, step_key = jax.random.split(key)
                 keys = noise_keys(step_key, num_particles)
-                loss, grads = loss_grad(params, message.theta, cavity, keys, data)
+                loss, grads = loss_grad(params, message.theta, cav, keys, data)
                 updates, new_optim = local_optim.update(grads, optim_state, params)
                 new_params = optax.apply_updates(params, updates)
                 ok = all_finite((loss, grads))
-                kept = _select(ok, (new_params, new_optim), (params, optim_state))
+                kept = tree_where(ok, (new_params, new_optim), (params, optim_state))
                 return (*kept, key), loss
 
             (params, optim_state, key), _ = lax.scan(
@@ -384,12 +396,12 @@ def pvi(
                 eta_local=eta_local, optim_state=optim_state, rng_key=key
             )
 
-        def natural_fit(message, state, data, cavity):
+        def natural_fit(message, state, data, cav):
             def loglik(u):
                 return log_lik_at(is_prior, u, message.theta, data)
 
             def target(factor):
-                q = cavity.plus(factor)
+                q = cav.plus(factor)
                 points = _sigma_points(q)
                 grad = jnp.mean(jax.vmap(jax.grad(loglik))(points), 0)
                 hess = jnp.mean(jax.vmap(jax.hessian(loglik))(points), 0)
@@ -403,19 +415,28 @@ def pvi(
             def iterate(factor, _):
                 # A fixed-point step that would leave the local q invalid (a
                 # non-log-concave likelihood seen through a wide q) is shortened.
-                q, _ = apply_update(cavity.plus(factor), target(factor).minus(factor))
-                return q.minus(cavity), None
+                q, _ = apply_update(cav.plus(factor), target(factor).minus(factor))
+                return q.minus(cav), None
 
             factor, _ = lax.scan(iterate, state.factor, None, length=local_steps)
-            return cavity.plus(factor), state
+            return cav.plus(factor), state
 
         fit = natural_fit if local_solver == "natural" else adam_fit
 
-        def step(message: PVIServerMessage, state: PVISiloState, data: SiloData):
-            cavity = cavity_of(message, state.factor)
+        def data_grad_at_points(points, theta_u, data):
+            def value(theta_u):
+                at = jax.vmap(lambda u: log_lik_at(is_prior, u, theta_u, data))
+                return jnp.mean(at(points))
+
+            return jax.value_and_grad(value)(theta_u)
+
+        def step(message, state: PVISiloState, data: SiloData):
+            """The local fit from a committed factor: ``(reply, state)`` with the
+            reply's update pending in the state."""
+            cav = cavity.of(message, state.factor)
             # t_0's cavity (the silo factors alone) may be improper; its tilted
             # distribution, with the prior in it, is not.
-            valid = jnp.array(True) if is_prior else is_valid(cavity)
+            valid = jnp.array(True) if is_prior else is_valid(cav)
             # The report draw folds in, so the local fit's key chain is the one a
             # centralized NumPyro SVI run would use.
             report_key = jax.random.fold_in(state.rng_key, 1)
@@ -430,49 +451,79 @@ def pvi(
                 elbo, grad_theta = data_grad(
                     glob0, state.eta_local, message.theta, report_keys, data
                 )
-            q_new, new_state = fit(message, state, data, cavity)
+            q_new, new_state = fit(message, state, data, cav)
             delta = q_new.minus(message.q).times(damping)
             ok = valid & all_finite((delta, elbo, grad_theta))
+            zeros = jax.tree.map(jnp.zeros_like, delta)
             # A non-finite reply goes to the server as it is: the server rejects and
-            # counts it; the silo keeps its state.
+            # counts it (acknowledging 0); the silo keeps its state.
             reply = PVISiloMessage(
-                _select(valid, delta, jax.tree.map(jnp.zeros_like, delta)),
-                grad_theta,
-                elbo,
-                valid,
+                tree_where(valid, delta, zeros), grad_theta, elbo, valid
             )
-            return reply, _select(ok, new_state, state)
-
-        def data_grad_at_points(points, theta_u, data):
-            def value(theta_u):
-                at = jax.vmap(lambda u: log_lik_at(is_prior, u, theta_u, data))
-                return jnp.mean(at(points))
-
-            return jax.value_and_grad(value)(theta_u)
+            new_state = tree_where(ok, new_state, state)
+            return reply, new_state._replace(pending=tree_where(ok, delta, zeros))
 
         return step
 
-    def init_state(key, eta_local, q0):
-        glob_u = unconstrain(glob_c, to_guide(q0))
-        zeros = GaussianNat.zeros(dim, full, q0.h.dtype)
-        optim_state = local_optim.init((glob_u, eta_local))
-        return PVISiloState(zeros, eta_local, optim_state, key)
+    local_step = make_step(False)
+    prior_step = make_step(True)
+    refine_prior = prior_of is None
+    prior_u = None if refine_prior else (lambda t: prior_of(constrain(theta_c, t)))
 
-    def init_silo(key: jax.Array, data: SiloData, q0: GaussianNat) -> PVISiloState:
+    # ---------------------------------------------------------------- the silo
+    def optim_init(eta_local: dict) -> Any:
+        # Any valid global parameters of the right shapes: optax's states depend on
+        # shapes only for the optimizers PVI is used with.
+        glob = {"loc": jnp.zeros(dim, dtype), "scale": jnp.ones(dim, dtype)}
+        if full:
+            glob["tril"] = jnp.zeros((dim, dim), dtype)
+        return local_optim.init((unconstrain(glob_c, glob), eta_local))
+
+    zero_factor = lambda: GaussianNat.zeros(dim, full, dtype)
+
+    def init_silo(key: jax.Array, data: SiloData) -> PVISiloState:
         init_key, chain_key = jax.random.split(key)
         eta_local = unconstrain(local_c, guide.init_local(init_key, data.arrays))
-        return init_state(chain_key, eta_local, q0)
+        return PVISiloState(
+            zero_factor(), zero_factor(), eta_local, optim_init(eta_local), chain_key
+        )
 
-    def init_prior_silo(key: jax.Array, q0: GaussianNat) -> PVISiloState:
-        return init_state(key, {}, q0)
+    def silo_step(message: Message, state: PVISiloState, data: SiloData, key):
+        del key  # the silo's noise comes from the key chain in its state
+        factor = state.factor.plus(state.pending.times(message.routed))
+        state = state._replace(factor=factor, pending=zero_factor())
+        return local_step(message.broadcast, state, data)
 
-    prior_u = None
-    if prior_of is not None:
-        prior_u = lambda t: prior_of(constrain(theta_c, t))  # noqa: E731
+    # -------------------------------------------------------------- the server
+    def init_server(key: jax.Array) -> PVIServerState:
+        theta, _ = initial_globals(guide, key, template)
+        if refine_prior:
+            supports = {n: spec.support for n, spec in guide.global_specs.items()}
+            theta_0 = constrain(theta_c, theta)
+            prior = prior_summary(model, supports, template, theta_0, key, full)
+        else:
+            prior = prior_u(theta)
+        prior = jax.tree.map(lambda x: jnp.asarray(x, dtype), prior)
+        return PVIServerState(
+            prior,
+            prior,
+            theta,
+            hyper_optim.init(theta),
+            jnp.zeros((num_silos,), dtype),
+            optim_init({}),
+            jax.random.fold_in(key, 1),
+        )
+
+    def server_message(state: PVIServerState, key: jax.Array) -> Message:
+        del key
+        return Message(cavity.message(state.q, state.prior, state.theta), state.ack)
 
     def server_elbo(q: GaussianNat, theta_u: dict, key: jax.Array):
-        if prior_u is not None:
-            return jax.value_and_grad(lambda t: -divergence(q, prior_u(t)))(theta_u)
+        """The server's term E_q[log p(u)] + H(q) (exact prior: -D(q || p)) and its
+        gradient in theta."""
+        if not refine_prior:
+            minus_divergence = lambda t: -cavity.divergence(q, prior_u(t))
+            return jax.value_and_grad(minus_divergence)(theta_u)
         glob_u = unconstrain(glob_c, to_guide(q))
         keys = jax.random.split(key, max(num_particles, 1))
 
@@ -482,22 +533,68 @@ def pvi(
 
         return jax.value_and_grad(value)(theta_u)
 
-    if cavity_of is None:
-        cavity_of = lambda message, factor: message.q.minus(factor)  # noqa: E731
-    if message_of is None:
-        message_of = lambda q, prior, theta: PVIServerMessage(q, theta)  # noqa: E731
-    if divergence is None:
-        divergence = kl
-    silo_step = make_step(False)
-    prior_step = None if prior_of is not None else make_step(True)
-    return PVIFunctions(
-        init_silo,
-        None if prior_of is not None else init_prior_silo,
-        silo_step,
-        prior_step,
-        server_elbo,
-        prior_u,
-        to_guide,
-        from_guide,
-        message_of,
+    def server_step(
+        state: PVIServerState, replies: PVISiloMessage, key, participating
+    ) -> tuple[PVIServerState, PVIInfo]:
+        message = cavity.message(state.q, state.prior, state.theta)
+        finite = jax.vmap(all_finite)((replies.delta, replies.elbo, replies.grad_theta))
+        used = participating & finite & replies.valid_cavity
+
+        def used_sum(x):
+            rows = used.reshape((-1,) + (1,) * (x.ndim - 1))
+            return jnp.sum(jnp.where(rows, x, 0), 0)
+
+        total = jax.tree.map(used_sum, replies.delta)
+        if refine_prior:
+            # t_0 moves with the silos, from the same q.
+            t0 = PVISiloState(
+                state.prior, zero_factor(), {}, state.prior_optim, state.prior_key
+            )
+            reply0, t0 = prior_step(message, t0, None)
+            ok0 = all_finite(reply0.delta)
+            delta0 = tree_where(ok0, reply0.delta, zero_factor())
+            total = total.plus(delta0)
+        q, scale = apply_update(state.q, total)
+        ack = jnp.where(participating, jnp.where(used, scale, 0.0), state.ack)
+        state = state._replace(q=q, ack=ack.astype(state.ack.dtype))
+        if refine_prior:
+            state = state._replace(
+                prior=state.prior.plus(delta0.times(scale)),
+                prior_optim=t0.optim_state,
+                prior_key=t0.rng_key,
+            )
+        # Bui et al., eq. 5: the silos' gradients (scaled up when only some
+        # contributed, as the free energy estimate is) plus the server's term.
+        count = jnp.maximum(jnp.sum(used), 1)
+        weight = used.shape[0] / count
+        server_value, server_grad = server_elbo(message.q, state.theta, key)
+        if state.theta:
+            grads = jax.tree.map(
+                lambda g, g0: weight * used_sum(g) + g0, replies.grad_theta, server_grad
+            )
+            theta, optim_state = ascent(
+                hyper_optim, grads, state.optim_state, state.theta
+            )
+            ok = all_finite(theta)
+            new = state._replace(theta=theta, optim_state=optim_state)
+            if not refine_prior:
+                # An exact prior that depends on theta moves q with it (q = p prod t_m).
+                new_prior = prior_u(theta)
+                new = new._replace(
+                    q=state.q.plus(new_prior.minus(state.prior)), prior=new_prior
+                )
+                ok = ok & is_valid(new.q)
+            state = tree_where(ok, new, state)
+        elbo = server_value + weight * jnp.sum(jnp.where(used, replies.elbo, 0.0))
+        invalid = participating & ~replies.valid_cavity
+        info = PVIInfo(
+            -elbo,
+            participating & ~(finite & replies.valid_cavity),
+            jnp.where(jnp.any(participating), scale, 1.0),
+            jnp.where(jnp.any(invalid), jnp.argmax(invalid), -1),
+        )
+        return state, info
+
+    return FederatedAlgorithm(
+        init_server, init_silo, server_message, silo_step, server_step
     )

@@ -93,11 +93,11 @@ def test_message_audit_only_aggregates_reach_a_silo():
     the global dimension, and the aggregate is the sum of the silos' factors."""
     gvi = nf.FedGVI(FED, nf.AutoMeanField(FED), local_steps=1)
     result = gvi.run(jax.random.key(0), 1, DATA, progress_bar=False)
-    fns = gvi._build(DATA)[0]
-    server = result.state.server
-    message = fns.message_of(server.q, server.prior, server.theta)
+    algorithm = gvi._build(DATA)[0]
+    message = algorithm.server_message(result.state.server, jax.random.key(1))
+    message = message.broadcast
     assert [np.shape(x) for x in jax.tree.leaves(message)] == [(3,)] * 4
-    total = jax.tree.map(lambda x: jnp.sum(x, 0), result.state.silos.factor)
+    total = jax.tree.map(lambda x: jnp.sum(x, 0), gvi.factors(result.state))
     np.testing.assert_allclose(message.aggregate.h, total.h, atol=1e-12)
     np.testing.assert_allclose(message.aggregate.prec, total.prec, atol=1e-12)
 
