@@ -12,8 +12,16 @@ import optax
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed.algorithms.pvi import apply_update
+from numpyro_fed.algorithms.pvi import apply_update, pvi
+from numpyro_fed.densities import data_template
 from numpyro_fed.expfam import GaussianNat, from_moments, is_valid, to_moments
+from numpyro_fed.protocol import jit_algorithm, silo_data_of
+from numpyro_fed.runtime import (
+    event_round,
+    event_schedule,
+    sequential_round,
+    simulate_round,
+)
 
 NOISE_SD = 0.5
 SIZES = (7, 33, 1, 54, 25)
@@ -83,6 +91,64 @@ def test_one_sequential_pass_is_exact(order, sizes):
     mean, prec = _exact(X, y)
     np.testing.assert_allclose(state.server.q.prec, prec, rtol=1e-10)
     np.testing.assert_allclose(_moments(state)[0], mean, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("runtime", ["simulate", "sequential", "events"])
+def test_factory_runs_under_every_generic_runtime(runtime):
+    """The pvi() factory under each runtime, with no PVI-specific driving: full-rank
+    natural steps at rho = 1 give the exact posterior in one round (all silos from
+    the prior, or one after another in a random order); in the second round each
+    silo first commits its acknowledged update, after which its factor is exactly
+    its likelihood, q stays exact and q = p prod t_m."""
+    guide = nf.AutoStructured(FED, global_cov="full", coupling=False)
+    guide.setup(DATA)
+    num_silos = DATA.num_silos
+    algorithm = pvi(
+        FED,
+        guide,
+        optax.adam(1e-2),
+        data_template(DATA.silo(0)),
+        num_silos=num_silos,
+        local_steps=1,
+        damping=1.0,
+        prior_of=lambda theta: GaussianNat(jnp.zeros(3), jnp.eye(3)),
+        local_solver="natural",
+    )
+    data = silo_data_of(DATA)
+    server = algorithm.init_server(jax.random.key(0))
+    keys = jax.random.split(jax.random.key(1), num_silos)
+    silos = jax.vmap(algorithm.init_silo)(keys, data)
+    silo_keys = jax.random.split(jax.random.key(2), num_silos)
+    for r in range(2):
+        key = jax.random.key(3 + r)
+        if runtime == "simulate":
+            step = jax.jit(simulate_round, static_argnums=0)
+            server, silos, _ = step(algorithm, server, silos, data, key, silo_keys)
+        elif runtime == "sequential":
+            server, silos, _ = sequential_round(
+                jit_algorithm(algorithm), server, silos, data, key, silo_keys
+            )
+        else:
+            schedule = event_schedule(key, num_silos, order="random")
+            server, silos, _ = event_round(
+                algorithm, server, silos, data, schedule, silo_keys
+            )
+        np.testing.assert_allclose(server.q.prec, PREC, rtol=1e-10)
+        np.testing.assert_allclose(to_moments(server.q)[0], MEAN, rtol=1e-9, atol=1e-12)
+        acked = jax.tree.map(
+            lambda t, d, ack=server.ack: (
+                t + d * ack.reshape((-1,) + (1,) * (t.ndim - 1))
+            ),
+            silos.factor,
+            silos.pending,
+        )
+        total = server.prior.plus(jax.tree.map(lambda x: jnp.sum(x, 0), acked))
+        np.testing.assert_allclose(total.prec, server.q.prec, atol=1e-10)
+        np.testing.assert_allclose(total.h, server.q.h, atol=1e-10)
+    for j in range(num_silos):
+        rows = GROUPS == j
+        lik = X[rows].T @ X[rows] / NOISE_SD**2
+        np.testing.assert_allclose(silos.factor.prec[j], lik, rtol=1e-10, atol=1e-10)
 
 
 def test_one_pass_is_bayesian_updating():
