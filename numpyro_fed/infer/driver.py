@@ -223,6 +223,15 @@ class Driver:
         )
         return next_key, schedule._replace(server_keys=server_keys)
 
+    @partial(jax.jit, static_argnums=(0, 2))
+    def _round_inputs(self, rng_key: jax.Array, num_silos: int):
+        """The round's keys (the events runtime: its schedule as the server key), in
+        one compiled call rather than a string of small eager ones."""
+        rng_key_next, server_key, silo_keys = self._round_keys(rng_key, num_silos)
+        if self.runtime == "events":
+            rng_key_next, server_key = self._schedule(rng_key, num_silos)
+        return rng_key_next, server_key, silo_keys
+
     def update_with_info(
         self, state: FederatedState, data: Any, participating: jax.Array | None = None
     ) -> tuple[FederatedState, Any]:
@@ -245,9 +254,7 @@ class Driver:
                     f"participating must have shape ({num_silos},), got "
                     f"{participating.shape}."
                 )
-        rng_key, server_key, silo_keys = self._round_keys(state.rng_key, num_silos)
-        if self.runtime == "events":
-            rng_key, server_key = self._schedule(state.rng_key, num_silos)
+        rng_key, server_key, silo_keys = self._round_inputs(state.rng_key, num_silos)
         server, silos, info = round_fn(
             state.server,
             state.silos,
