@@ -26,7 +26,6 @@ import platform
 
 from _timing import interleaved_times  # benchmarks/ is on sys.path
 import jax
-import jax.numpy as jnp
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
@@ -64,12 +63,7 @@ def bench(num_silos, local_steps, args):
         local_steps=local_steps,
         schedule="synchronous",
     )
-    # PVI.init returns some weak-typed floats that the first rounds make strong (each
-    # change recompiles); cast them so one warm-up round compiles the round for good.
-    pvi_state = jax.tree.map(
-        lambda x: x.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
-        pvi.init(jax.random.key(0), data),
-    )
+    pvi_state = pvi.init(jax.random.key(0), data)
 
     def pvi_step(state):
         return pvi.update(state, data)

@@ -93,15 +93,6 @@ def predict(draws, X, y):
     return float(jnp.mean(jnp.argmax(log_pred, -1) != y)), float(nll)
 
 
-def strong(state):
-    """``PVI.init``'s state with weak-typed floats made strong, so the round compiles
-    once (see ``examples/pvi_logistic.py``)."""
-    return jax.tree.map(
-        lambda x: x.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
-        state,
-    )
-
-
 def load(args):
     if args.mnist:
         from numpyro_fed.datasets import mnist
@@ -161,7 +152,7 @@ def run_split(args, data, X_te, y_te):
             damping=damping,
             init="guide",
         )
-        state = strong(pvi.init(key, data))
+        state = pvi.init(key, data)
         for r in range(args.rounds):
             try:
                 state, _ = pvi.update(state, data)

@@ -101,16 +101,6 @@ def draws_of(mean, var, key, num_samples=4000):
     }
 
 
-def strong(state):
-    """The state with weak-typed leaves made strong. ``PVI.init`` returns some
-    weak-typed floats (q, the silos' Adam moments) that later rounds make strong, so
-    without this the round compiles three times (reported to the maintainers)."""
-    return jax.tree.map(
-        lambda x: x.astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
-        state,
-    )
-
-
 def run_pvi(args, schedule, data, X_te, y_te):
     fed = nf.federate(logistic, silos="data")
     pvi = nf.PVI(
@@ -122,8 +112,7 @@ def run_pvi(args, schedule, data, X_te, y_te):
         schedule=schedule,
     )
     start = time.perf_counter()
-    state = strong(pvi.init(jax.random.key(args.seed), data))
-    result = pvi.run(None, args.rounds, data, progress_bar=False, init_state=state)
+    result = pvi.run(jax.random.key(args.seed), args.rounds, data, progress_bar=False)
     seconds = time.perf_counter() - start
     qs = result.history["q"]
     curve = []
