@@ -108,6 +108,12 @@ def split_groups(num_units, num_silos):
     return np.sort(np.arange(num_units) % num_silos)
 
 
+def _as_numpy(x):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):  # a key in a state
+        x = jax.random.key_data(x)
+    return np.asarray(x)
+
+
 def tree_allclose(a, b, **kw):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), **kw)
+        np.testing.assert_allclose(_as_numpy(x), _as_numpy(y), **kw)

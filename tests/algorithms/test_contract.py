@@ -18,6 +18,8 @@ import optax
 import pytest
 
 import numpyro_fed as nf
+from numpyro_fed.algorithms.fedgvi import fedgvi, gce_loss
+from numpyro_fed.algorithms.pvi import pvi
 from numpyro_fed.algorithms.sfvi import noise_keys, sfvi
 from numpyro_fed.algorithms.sfvi_avg import sfvi_avg
 from numpyro_fed.densities import data_template
@@ -91,7 +93,39 @@ def case_sfvi_avg() -> Case:
     return Case(algorithm, data, keys, silo_keys, _poison_y)
 
 
-CASES = {"sfvi": case_sfvi, "sfvi_avg": case_sfvi_avg}
+def _pvi_case(factory, **options) -> Case:
+    # tau's HalfNormal prior is not Gaussian: the server refines t_0 as well.
+    data = _hierarchical_data()
+    fed, guide = _structured(data)
+    algorithm = factory(
+        fed,
+        guide,
+        optax.adam(1e-2),
+        data_template(data.silo(0)),
+        num_silos=data.num_silos,
+        local_steps=2,
+        damping=0.5,
+        prior_of=None,
+        **options,
+    )
+    silo_keys = jax.random.split(jax.random.key(3), data.num_silos)
+    return Case(algorithm, data, jax.random.key(4), silo_keys, _poison_y)
+
+
+def case_pvi() -> Case:
+    return _pvi_case(pvi)
+
+
+def case_fedgvi() -> Case:
+    return _pvi_case(fedgvi, loss=gce_loss(0.5))
+
+
+CASES = {
+    "sfvi": case_sfvi,
+    "sfvi_avg": case_sfvi_avg,
+    "pvi": case_pvi,
+    "fedgvi": case_fedgvi,
+}
 
 
 class Prepared(NamedTuple):
