@@ -113,6 +113,8 @@ class PVI(Driver):
         ``"simulate"`` runtime), ``"sequential"`` (one silo after another: the
         ``"events"`` runtime) or ``"asynchronous"`` (one after another, each from a q
         up to ``max_staleness`` updates old: ``"events"`` with staleness).
+    :param str runtime: run the schedule's rounds on another runtime instead, e.g.
+        ``"sequential"`` (synchronous rounds, one silo at a time in Python).
     :param float participation: fraction of silos that take part in a round.
     :param int num_particles: Monte Carlo draws per local step.
     :param bool analytic_kl: closed-form KL to the cavity (lower variance).
@@ -183,6 +185,7 @@ class PVI(Driver):
         max_staleness: int = 2,
         order: str = "cyclic",
         init: str = "prior",
+        runtime: str | None = None,
     ) -> None:
         if schedule not in _SCHEDULES:
             raise ValueError(
@@ -206,7 +209,7 @@ class PVI(Driver):
                 f"max_staleness must be a non-negative int, got {max_staleness!r}."
             )
         super().__init__(
-            runtime=_SCHEDULES[schedule],
+            runtime=runtime or _SCHEDULES[schedule],
             participation=participation,
             order=order,
             max_staleness=max_staleness if schedule == "asynchronous" else 0,

@@ -19,6 +19,19 @@ ALGORITHMS = {
     "SFVIAvg": lambda fed, **kw: nf.SFVIAvg(
         fed, nf.AutoMeanField(fed), optax.adam(0.05), local_steps=2, **kw
     ),
+    # PVI names its schedules; they are the same runtime options underneath.
+    "PVI": lambda fed, **kw: nf.PVI(
+        fed,
+        local_optim=optax.adam(0.05),
+        schedule=(
+            "asynchronous"
+            if kw.get("max_staleness")
+            else "sequential"
+            if kw.get("runtime") == "events"
+            else "synchronous"
+        ),
+        **{k: v for k, v in kw.items() if k != "runtime" or v != "events"},
+    ),
 }
 
 
