@@ -22,8 +22,17 @@ import jax.numpy as jnp
 
 from numpyro_fed.densities import server_log_density, silo_log_density
 from numpyro_fed.protocol import SiloData
+from numpyro_fed.util import unconstrain
 
-__all__ = ["GlobalDraw", "SiloTerms", "draw_global", "server_terms", "silo_terms"]
+__all__ = [
+    "GlobalDraw",
+    "SiloTerms",
+    "draw_global",
+    "initial_globals",
+    "noise_keys",
+    "server_terms",
+    "silo_terms",
+]
 
 
 class GlobalDraw(NamedTuple):
@@ -128,3 +137,33 @@ def server_terms(
     plate = guide.roles.silo_plate
     log_p = server_log_density(model, plate, template, {**draw.values, **theta})
     return log_p, log_q
+
+
+def initial_globals(guide: Any, key: jax.Array, template: dict) -> tuple[dict, dict]:
+    """Unconstrained initial theta (the model's own param inits) and eta_G."""
+    inits = {k: jnp.asarray(v) for k, (v, _) in guide.param_specs.items()}
+    theta = unconstrain(guide.theta_constraints(), inits)
+    eta_global = guide.init_global(key, template)
+    return theta, unconstrain(guide.param_constraints()[0], eta_global)
+
+
+def noise_keys(step_key: jax.Array, num_particles: int) -> jax.Array:
+    """The guide noise keys NumPyro's ``Trace_ELBO`` would give this step.
+
+    ``SVI.update`` passes ``step_key`` to the ELBO, which splits it into one key per
+    particle (only when ``num_particles > 1``), then into ``(model_seed,
+    guide_seed)``; the guide's first keyed primitive, :func:`numpyro.prng_key`, takes
+    ``split(guide_seed)[1]`` from the seed handler. Reproducing that chain makes a
+    simulated SFVI run equal centralized NumPyro SVI draw for draw.
+    """
+    keys = (
+        step_key[None]
+        if num_particles == 1
+        else jax.random.split(step_key, num_particles)
+    )
+
+    def guide_noise_key(key):
+        _, guide_seed = jax.random.split(key)
+        return jax.random.split(guide_seed)[1]
+
+    return jax.vmap(guide_noise_key)(keys)

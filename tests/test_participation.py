@@ -11,8 +11,8 @@ import numpy as np
 import optax
 
 import numpyro_fed as nf
-from numpyro_fed.algorithms.sfvi import noise_keys
 from numpyro_fed.densities import data_template
+from numpyro_fed.elbo import noise_keys
 from numpyro_fed.protocol import jit_algorithm, silo_data_of
 from numpyro_fed.runtime import sequential_round, simulate_round
 from tests import _models as m

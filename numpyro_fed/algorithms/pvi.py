@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from numpyro_fed.algorithms.sfvi import initial_globals, noise_keys
 from numpyro_fed.densities import server_log_density, silo_log_density
+from numpyro_fed.elbo import draw_global, initial_globals, noise_keys, silo_terms
 from numpyro_fed.expfam import (
     GaussianNat,
     expected_log_factor,
@@ -303,23 +303,22 @@ def pvi(
 
     def silo_term(glob_u, eta_l_u, theta_u, key, data: SiloData):
         """One draw of log p(y_m, z_m | u) - log q(z_m | u) and the global draw."""
-        theta = constrain(theta_c, theta_u)
         eta_g = constrain(glob_c, glob_u)
-        z_g = guide.sample_global(eta_g, guide.global_noise(key))
-        values, _ = guide.constrain_global(z_g)
-        log_q = jnp.zeros(())
-        if eta_l_u:
-            eta_l = constrain(local_c, eta_l_u)
-            z_l = guide.sample_local(
-                eta_g, eta_l, z_g, guide.local_noise(key, data.unit_ids)
-            )
-            local_values, log_det = guide.constrain_local(z_l)
-            values.update(local_values)
-            terms = guide.log_q_local(stop(eta_g), stop(eta_l), z_g, z_l) - log_det
-            if padded:
-                terms = jnp.where(data.mask, terms, 0.0)
-            log_q = jnp.sum(terms)
-        return silo_lik({**values, **theta}, data) - log_q, z_g
+        draw = draw_global(guide, eta_g, guide.global_noise(key))
+        terms = silo_terms(
+            model,
+            guide,
+            draw,
+            constrain(theta_c, theta_u),
+            eta_g,
+            constrain(local_c, eta_l_u),
+            key,
+            data,
+            stop=stop,
+            padded=padded,
+            observed_fn=observed_fn,
+        )
+        return terms.log_p - terms.log_q, draw.z
 
     def prior_term(glob_u, eta_l_u, theta_u, key, data):
         """One draw of log p(u) = log p(T(u)) + log|det J(u)|: t_0's 'likelihood'."""

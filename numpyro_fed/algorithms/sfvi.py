@@ -19,7 +19,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from numpyro_fed.elbo import draw_global, server_terms, silo_terms
+from numpyro_fed.elbo import (
+    draw_global,
+    initial_globals,
+    server_terms,
+    silo_terms,
+)
 from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
 from numpyro_fed.util import all_finite, ascent, constrain, tree_where, unconstrain
 
@@ -29,8 +34,6 @@ __all__ = [
     "SFVIServerState",
     "SFVISiloMessage",
     "SFVISiloState",
-    "initial_globals",
-    "noise_keys",
     "sfvi",
 ]
 
@@ -91,14 +94,6 @@ class SFVIInfo(NamedTuple):
 
     loss: jax.Array
     rejected: jax.Array
-
-
-def initial_globals(guide: Any, key: jax.Array, template: dict) -> tuple[dict, dict]:
-    """Unconstrained initial theta (the model's own param inits) and eta_G."""
-    inits = {k: jnp.asarray(v) for k, (v, _) in guide.param_specs.items()}
-    theta = unconstrain(guide.theta_constraints(), inits)
-    eta_global = guide.init_global(key, template)
-    return theta, unconstrain(guide.param_constraints()[0], eta_global)
 
 
 def sfvi(
@@ -240,25 +235,3 @@ def sfvi(
     return FederatedAlgorithm(
         init_server, init_silo, server_message, silo_step, server_step
     )
-
-
-def noise_keys(step_key: jax.Array, num_particles: int) -> jax.Array:
-    """The guide noise keys NumPyro's ``Trace_ELBO`` would give this step.
-
-    ``SVI.update`` passes ``step_key`` to the ELBO, which splits it into one key per
-    particle (only when ``num_particles > 1``), then into ``(model_seed,
-    guide_seed)``; the guide's first keyed primitive, :func:`numpyro.prng_key`, takes
-    ``split(guide_seed)[1]`` from the seed handler. Reproducing that chain makes a
-    simulated SFVI run equal centralized NumPyro SVI draw for draw.
-    """
-    keys = (
-        step_key[None]
-        if num_particles == 1
-        else jax.random.split(step_key, num_particles)
-    )
-
-    def guide_noise_key(key):
-        _, guide_seed = jax.random.split(key)
-        return jax.random.split(guide_seed)[1]
-
-    return jax.vmap(guide_noise_key)(keys)

@@ -32,8 +32,8 @@ from numpyro_fed.aggregate import (
     w2_barycenter_diag,
     weighted_mean,
 )
-from numpyro_fed.algorithms.sfvi import SFVIInfo, initial_globals
-from numpyro_fed.elbo import draw_global, server_terms, silo_terms
+from numpyro_fed.algorithms.sfvi import SFVIInfo
+from numpyro_fed.elbo import draw_global, initial_globals, server_terms, silo_terms
 from numpyro_fed.families.structured import unit_tril
 from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
 from numpyro_fed.util import (

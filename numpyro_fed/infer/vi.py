@@ -10,18 +10,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from numpyro_fed.algorithms.sfvi import (
-    SFVIServerState,
-    SFVISiloState,
-    noise_keys,
-    sfvi,
-)
+from numpyro_fed.algorithms.sfvi import SFVIServerState, SFVISiloState, sfvi
 from numpyro_fed.algorithms.sfvi_avg import (
     SFVIAvgServerState,
     SFVIAvgSiloState,
     sfvi_avg,
 )
 from numpyro_fed.densities import data_template
+from numpyro_fed.elbo import noise_keys
 from numpyro_fed.families.structured import GLOBAL_PREFIX, LOCAL_PREFIX
 from numpyro_fed.infer.driver import Driver, FederatedState
 from numpyro_fed.infer.posterior import sample_structured

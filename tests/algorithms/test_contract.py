@@ -20,9 +20,10 @@ import pytest
 import numpyro_fed as nf
 from numpyro_fed.algorithms.fedgvi import fedgvi, gce_loss
 from numpyro_fed.algorithms.pvi import pvi
-from numpyro_fed.algorithms.sfvi import noise_keys, sfvi
+from numpyro_fed.algorithms.sfvi import sfvi
 from numpyro_fed.algorithms.sfvi_avg import sfvi_avg
 from numpyro_fed.densities import data_template
+from numpyro_fed.elbo import noise_keys
 from numpyro_fed.protocol import FederatedAlgorithm, jit_algorithm, silo_data_of
 from numpyro_fed.runtime import (
     event_round,

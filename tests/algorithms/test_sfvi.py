@@ -16,8 +16,8 @@ import optax
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed.algorithms.sfvi import noise_keys
 from numpyro_fed.densities import data_template
+from numpyro_fed.elbo import noise_keys
 from numpyro_fed.protocol import silo_data_of
 from numpyro_fed.runtime import simulate_round
 from tests import _models as m
