@@ -114,6 +114,11 @@ class Driver:
     def _setup(self, data: Any) -> None:
         """Prepare for this data layout (e.g. trace the model); once per layout."""
 
+    def _silo_data(self, data: Any) -> Any:
+        """The silos' data as the round function takes it (default: the stacked
+        :class:`~numpyro_fed.protocol.SiloData`)."""
+        return silo_data_of(data)
+
     def _round_keys(self, rng_key: jax.Array, num_silos: int):
         """``(next_rng_key, server_key, silo_keys)`` of one round."""
         rng_key, server_key, silo_key = jax.random.split(rng_key, 3)
@@ -191,7 +196,7 @@ class Driver:
             server = jax.jit(algorithm.init_server)(server_key)
             silo_keys = jax.random.split(silo_key, data.num_silos)
             silos = jax.jit(jax.vmap(algorithm.init_silo))(
-                silo_keys, silo_data_of(data)
+                silo_keys, self._silo_data(data)
             )
         # Strong dtypes: weak-typed leaves would make the jitted round recompile.
         return jax.tree.map(
@@ -252,7 +257,7 @@ class Driver:
         server, silos, info = round_fn(
             state.server,
             state.silos,
-            silo_data_of(data),
+            self._silo_data(data),
             server_key,
             silo_keys,
             participating,
