@@ -90,6 +90,10 @@ class Driver:
     """
 
     description = "rounds"
+    #: Without a progress bar, runs of at least this many rounds go inside one
+    #: ``lax.scan``; shorter ones loop over the jitted round (a scan compiles the
+    #: round a second time, which only pays off over many rounds).
+    min_scan_steps = 1
 
     def __init__(
         self,
@@ -342,7 +346,11 @@ class Driver:
             step_fn = step
         else:
             step_fn = jax.jit(step)
-        if not progress_bar and runtime != "sequential":
+        if (
+            not progress_bar
+            and runtime != "sequential"
+            and num_steps >= self.min_scan_steps
+        ):
             start = state
             state, history = lax.scan(
                 lambda s, _: step_fn(s), state, None, length=num_steps
