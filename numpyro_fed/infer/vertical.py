@@ -9,7 +9,6 @@ blocks are equal up to names (:func:`~numpyro_fed.vertical.parties.find_groups`)
 are stacked and vmapped as one group, the others are groups of one.
 """
 
-from contextlib import contextmanager
 from typing import Any, Callable, NamedTuple
 import warnings
 
@@ -20,12 +19,11 @@ import optax
 
 from numpyro_fed.algorithms import vertical_reference
 from numpyro_fed.algorithms.vertical_sfvi import (
-    RowIndexMismatchError,
     VerticalPartyState,
     name_key_data,
     num_phases,
+    row_errors,
     vertical_sfvi,
-    vertical_terms,
 )
 from numpyro_fed.infer.driver import Driver, FederatedState, RunResult
 from numpyro_fed.protocol import SiloData, jit_algorithm
@@ -46,6 +44,7 @@ from numpyro_fed.vertical.structure import (
     likelihood_dependencies,
     vertical_structure,
 )
+from numpyro_fed.vertical.terms import vertical_terms
 
 __all__ = ["RoundKeys", "VerticalParams", "VerticalSFVI"]
 
@@ -65,29 +64,11 @@ class VerticalParams(NamedTuple):
 class RoundKeys(NamedTuple):
     """- **idx** - the round's row indices (``None``: every row).
     - **server_key** - the server's noise key.
-    - **party_keys** - party -> its key.
-    - **party_idx** - party -> the row indices it uses (``idx``)."""
+    - **party_keys** - party -> its key."""
 
     idx: Any
     server_key: jax.Array
     party_keys: dict
-    party_idx: dict
-
-
-@contextmanager
-def row_errors():
-    """Re-raise a row-index mismatch that the server detected inside a compiled round
-    (a host callback's error) as :class:`RowIndexMismatchError`."""
-    try:
-        yield
-    except jax.errors.JaxRuntimeError as err:
-        text = str(err)
-        tag = "RowIndexMismatchError: "
-        if tag not in text:
-            raise
-        raise RowIndexMismatchError(
-            text[text.rindex(tag) + len(tag) :].splitlines()[0]
-        ) from None
 
 
 def _check_local_steps(local_steps: Any) -> None:
@@ -310,7 +291,7 @@ class VerticalSFVI(Driver):
             algorithm = self._make_algorithm(data)
             round_fn = self._round_fn(algorithm, self._silo_groups())
             entry = (key, data, algorithm, round_fn)
-            self._built = {"round": entry}
+            self._built["round"] = entry
         return entry[2], entry[3]
 
     def _silo_groups(self) -> tuple:
@@ -390,9 +371,14 @@ class VerticalSFVI(Driver):
         return SiloData({lead: view}, jnp.ones((n,), bool), jnp.arange(n))
 
     def _silo_data(self, data: VerticalData) -> tuple:
-        parties = self.structure.parties
-        silos = [self._party_data(data, p) for p in parties]
-        return stack_groups(silos, self._silo_groups())
+        key = (id(data), self._groups)
+        cached = self._built.get("data")
+        if cached is None or cached[0] != key or cached[1] is not data:
+            with jax.ensure_compile_time_eval():  # may be asked inside a trace
+                silos = [self._party_data(data, p) for p in self.structure.parties]
+                cached = (key, data, stack_groups(silos, self._silo_groups()))
+            self._built["data"] = cached
+        return cached[2]
 
     def _round_keys(self, rng_key: jax.Array, num_silos: int):
         rng_key, k = jax.random.split(rng_key)
@@ -411,12 +397,9 @@ class VerticalSFVI(Driver):
             idx = jax.random.choice(
                 jax.random.fold_in(k, 0), rows[1], (rows[2],), False
             )
-        parties = self.structure.parties
         server_key = jax.random.fold_in(k, name_key_data(SERVER))
-        party_keys = dict(zip(parties, keys, strict=True))
-        return rng_key, RoundKeys(
-            idx, server_key, party_keys, {p: idx for p in parties}
-        )
+        party_keys = dict(zip(self.structure.parties, keys, strict=True))
+        return rng_key, RoundKeys(idx, server_key, party_keys)
 
     def _find_groups(self, parties: dict, data: VerticalData, rng_key) -> None:
         """Group the parties for the simulation runtime (see ``vmap_parties``)."""
@@ -603,26 +586,12 @@ class VerticalSFVI(Driver):
     def joint_elbo(
         self, raws: dict, rng_key: jax.Array, data: VerticalData
     ) -> jax.Array:
-        """
-        The single-sample ELBO of the round drawn from ``rng_key`` (same noise and
-        rows as :meth:`update`), computed jointly on pooled data with NumPyro's
-        ``log_density`` of the whole augmented model: the reference that the message
-        protocol's gradients must reproduce.
-
-        :param dict raws: owner -> raw parameters (``party_states(state)[p].raw``,
-            and ``state.server.raw`` under ``"server"``).
-        :param jax.random.key rng_key: the round's key (``state.rng_key``).
-        :param VerticalData data: the data.
-        """
+        """:func:`~numpyro_fed.algorithms.vertical_reference.joint_elbo` of this
+        algorithm: the round's single-sample ELBO computed jointly on pooled data
+        (``raws``: owner -> raw parameters; ``rng_key``: ``state.rng_key``)."""
         return vertical_reference.joint_elbo(self, raws, rng_key, data)
 
     def numpyro_guide(self, init_raws: dict) -> Callable:
-        """
-        The family as an ordinary NumPyro guide of the augmented model (full-batch
-        only), for centralized ``SVI`` or ``Trace_ELBO`` on pooled data. Its
-        ``numpyro.param`` sites are named ``"_vfl/{owner}/{leaf}"``; the model's
-        own ``numpyro.param`` sites stay in the model.
-
-        :param dict init_raws: owner -> raw parameters to start from.
-        """
+        """:func:`~numpyro_fed.algorithms.vertical_reference.numpyro_guide`: the
+        family as an ordinary NumPyro guide of the augmented model (full-batch)."""
         return vertical_reference.numpyro_guide(self, init_raws)
