@@ -147,7 +147,8 @@ class VerticalServerState(NamedTuple):
     """- **raw** - the server's unconstrained parameters (:math:`q(\\gamma)`, params).
     - **opt_state** - its optimizer's state.
     - **phase** - the phase the next contract round runs (int32).
-    - **grads** - ``(J, ...)``: the gradients routed in the update phase.
+    - **grads** - ``(J, ...)``: the gradients routed in the update phase (this and
+      the next two fields are zero between iterations).
     - **z** - Algorithm 2: the parties' auxiliaries of the round (``()`` otherwise).
     - **server_values** - Algorithm 2: the round's draw of :math:`\\gamma` (``{}``)."""
 
@@ -470,8 +471,10 @@ def vertical_sfvi(
             new = state._replace(raw=raw, opt_state=opt_state, grads=grads)
             return new._replace(phase=state.phase + 1), info(elbo0, replies.elbo)
 
-        def update(state):
-            return state._replace(phase=jnp.zeros_like(state.phase)), info()
+        def update(state):  # the round's per-row buffers are spent: clear them
+            return jax.tree.map(jnp.zeros_like, state)._replace(
+                raw=state.raw, opt_state=state.opt_state
+            ), info()
 
         branches = [collect, cross, update] if power else [send, update]
         return _switch(state.phase, branches, state)

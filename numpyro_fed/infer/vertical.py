@@ -269,14 +269,12 @@ class VerticalSFVI(Driver):
         return structure
 
     def _make_algorithm(self, data: VerticalData):
-        with jax.ensure_compile_time_eval():  # may be built inside a traced round
-            server_view = data.view(SERVER)
         return vertical_sfvi(
             self.model,
             self.family,
             self.structure,
             self._optims_by_owner,
-            server_view,
+            data.view(SERVER),
             stl=self.stl,
             local_steps=self.local_steps,
         )
@@ -288,7 +286,8 @@ class VerticalSFVI(Driver):
         key = (id(data), self.runtime, self._groups)
         entry = self._built.get("round")
         if entry is None or entry[0] != key or entry[1] is not data:
-            algorithm = self._make_algorithm(data)
+            with jax.ensure_compile_time_eval():  # may be built inside a trace
+                algorithm = self._make_algorithm(data)
             round_fn = self._round_fn(algorithm, self._silo_groups())
             entry = (key, data, algorithm, round_fn)
             self._built["round"] = entry
@@ -307,8 +306,8 @@ class VerticalSFVI(Driver):
             keys = tuple(silo_keys[np.asarray(g)] for g in groups)
             infos = []
             for phase in range(phases):
-                # the phase is known here: each call compiles its own branch only
-                server = server._replace(phase=jnp.asarray(phase, jnp.int32))
+                # a constant (not traced) phase: each call compiles its branch only
+                server = server._replace(phase=np.int32(phase))
                 server, silos, info = group_round(
                     algorithm,
                     groups,
@@ -521,7 +520,7 @@ class VerticalSFVI(Driver):
             SERVER: info.server_elbo,
             **dict(zip(self.structure.parties, info.party_elbo, strict=True)),
         }
-        bad = [o for o, v in elbos.items() if not np.isfinite(float(v))]
+        bad = sorted(o for o, v in elbos.items() if not np.isfinite(float(v)))
         if bad:
             raise VerticalModelError(
                 f"The ELBO term of {bad} is not finite on its owner's own view of the "
