@@ -498,6 +498,7 @@ class VerticalSFVI(Driver):
         if init_params is not None:
             raise NotImplementedError("VerticalSFVI cannot start from init_params.")
         self.setup(data)
+        self._groups = None  # every party starts in its own layout
         algorithm = self._make_algorithm(data)
         rng_key, init_key = jax.random.split(rng_key)
         # jitted: placeholders (NaN) in other parties' blocks must not meet

@@ -379,6 +379,9 @@ def test_t10_vmapped_and_looped_parties_agree_in_any_block_order():
     looped, r2 = _fit(linear_model(("c", "a", "b")), data, family, False)
     assert vmapped.party_groups == (("a", "b"), ("c",))
     assert looped.party_groups == (("a",), ("b",), ("c",))
+    # a second init on the same instance starts every party in its own layout
+    again = vmapped.run(jax.random.key(0), 4, data, progress_bar=False)
+    assert_trees_close(_by_party(vmapped, again.state), _by_party(vmapped, r1.state), 0)
     assert_trees_close(_by_party(vmapped, r1.state), _by_party(looped, r2.state), 1e-12)
     assert jnp.max(jnp.abs(r1.losses - r2.losses)) < 1e-12 * jnp.max(jnp.abs(r2.losses))
 
