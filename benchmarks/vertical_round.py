@@ -66,14 +66,25 @@ def round_vs_svi(n, aux, repeats):
     aug = nf.augment(model, 1.0)
     vfl = nf.VerticalSFVI(aug, nf.VerticalFamily(aux=aux), optax.adam(1e-2))
     state = vfl.init(jax.random.key(0), data)
-    step_fn = vfl._step_fn(vfl._views(data))
-    step = lambda s: step_fn(s)[:2]  # noqa: E731 (state, loss)
-    raws = {"server": state.server.raw, **{p: s.raw for p, s in state.parties.items()}}
+    step = jitted_round(vfl, data)
+    parties = vfl.party_states(state)
+    raws = {"server": state.server.raw, **{p: s.raw for p, s in parties.items()}}
     svi = SVI(aug, vfl.numpyro_guide(raws), optax.adam(1e-2), Trace_ELBO())
     svi_state = svi.init(jax.random.key(0), **data.pooled())
     update = jax.jit(lambda s: svi.update(s, **data.pooled()))
     t_fed, t_svi = interleaved_times([step, update], [state, svi_state], repeats)
     return t_fed, t_svi
+
+
+def jitted_round(vfl, data):
+    """One round (its keys included) as one jitted ``state -> (state, loss)``."""
+    round_fn = jax.jit(lambda s: vfl._round(s, data, None))
+
+    def step(state):
+        state, info = round_fn(state)
+        return state, info.loss
+
+    return step
 
 
 def equal_parties_model(J, p):
@@ -121,10 +132,7 @@ def vmap_vs_loop(n, J, repeats):
         t0 = time.perf_counter()
         state = vfl.init(jax.random.key(0), data)  # traces, probes, compiles, 1 round
         t_init = time.perf_counter() - t0
-        step_fn = vfl._step_fn(vfl._views(data))
-        (t_round,) = interleaved_times(
-            [lambda s, f=step_fn: f(s)[:2]], [state], repeats
-        )
+        (t_round,) = interleaved_times([jitted_round(vfl, data)], [state], repeats)
         out[vmap] = (t_init, t_round)
         assert len(vfl.party_groups) == (1 if vmap else J)
     return out

@@ -13,9 +13,6 @@ from numpyro_fed.algorithms import (
     FSGLD,
     RowIndexMismatchError,
     SGLDState,
-    VerticalParams,
-    VerticalSFVI,
-    VerticalSFVIState,
     annealed_step_size,
     sfvi,
     sfvi_avg,
@@ -33,6 +30,7 @@ from numpyro_fed.families import AutoAmortized, AutoMeanField, AutoStructured
 from numpyro_fed.handlers import federate, silo_plate
 from numpyro_fed.infer.driver import FederatedState, RunResult
 from numpyro_fed.infer.pvi import PVI, FedGVI, InvalidCavity, PVIParams
+from numpyro_fed.infer.vertical import VerticalParams, VerticalSFVI
 from numpyro_fed.infer.vi import SFVI, SFVIAvg, SFVIParams
 from numpyro_fed.partition import ModelRoles, analyze
 from numpyro_fed.protocol import FederatedAlgorithm, SiloData
@@ -97,7 +95,6 @@ __all__ = [
     "VerticalModelError",
     "VerticalParams",
     "VerticalSFVI",
-    "VerticalSFVIState",
     "augment",
     "contribution",
     "likelihood_dependencies",

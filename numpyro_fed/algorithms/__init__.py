@@ -27,13 +27,7 @@ from numpyro_fed.algorithms.sgld import (
     annealed_step_size,
     fsgld,
 )
-from numpyro_fed.algorithms.vertical import (
-    RowIndexMismatchError,
-    VerticalParams,
-    VerticalSFVI,
-    VerticalSFVIState,
-    vertical_sfvi,
-)
+from numpyro_fed.algorithms.vertical_sfvi import RowIndexMismatchError, vertical_sfvi
 
 __all__ = [
     "fedgvi",
@@ -56,8 +50,5 @@ __all__ = [
     "SFVISiloState",
     "sfvi",
     "RowIndexMismatchError",
-    "VerticalParams",
-    "VerticalSFVI",
-    "VerticalSFVIState",
     "vertical_sfvi",
 ]

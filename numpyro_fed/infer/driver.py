@@ -89,6 +89,10 @@ class Driver:
     """
 
     description = "rounds"
+    #: Without a progress bar, runs of at least this many rounds go inside one
+    #: ``lax.scan``; shorter ones loop over the jitted round (a scan compiles the
+    #: round a second time, which only pays off over many rounds).
+    min_scan_steps = 1
 
     def __init__(
         self,
@@ -112,6 +116,11 @@ class Driver:
 
     def _setup(self, data: Any) -> None:
         """Prepare for this data layout (e.g. trace the model); once per layout."""
+
+    def _silo_data(self, data: Any) -> Any:
+        """The silos' data as the round function takes it (default: the stacked
+        :class:`~numpyro_fed.protocol.SiloData`)."""
+        return silo_data_of(data)
 
     def _round_keys(self, rng_key: jax.Array, num_silos: int):
         """``(next_rng_key, server_key, silo_keys)`` of one round."""
@@ -190,7 +199,7 @@ class Driver:
             server = jax.jit(algorithm.init_server)(server_key)
             silo_keys = jax.random.split(silo_key, data.num_silos)
             silos = jax.jit(jax.vmap(algorithm.init_silo))(
-                silo_keys, silo_data_of(data)
+                silo_keys, self._silo_data(data)
             )
         # Strong dtypes: weak-typed leaves would make the jitted round recompile.
         return jax.tree.map(
@@ -258,7 +267,7 @@ class Driver:
         server, silos, info = round_fn(
             state.server,
             state.silos,
-            silo_data_of(data),
+            self._silo_data(data),
             server_key,
             silo_keys,
             participating,
@@ -343,7 +352,11 @@ class Driver:
             step_fn = step
         else:
             step_fn = jax.jit(step)
-        if not progress_bar and runtime != "sequential":
+        if (
+            not progress_bar
+            and runtime != "sequential"
+            and num_steps >= self.min_scan_steps
+        ):
             start = state
             state, history = lax.scan(
                 lambda s, _: step_fn(s), state, None, length=num_steps

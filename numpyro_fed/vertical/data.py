@@ -93,6 +93,11 @@ class VerticalData:
         self.parties = tuple(sorted(parties))
         self.num_rows = rows[1] if rows is not None else 0
 
+    @property
+    def num_silos(self) -> int:
+        """The number of parties: the silos of a federated round."""
+        return len(self.parties)
+
     def pooled(self) -> dict[str, jnp.ndarray]:
         """Every array (the centralized model's keyword arguments)."""
         return dict(self.arrays)

@@ -19,11 +19,8 @@ import optax
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed.algorithms.vertical_protocol import (
-    AuxSample,
-    VerticalPartyState,
-    VerticalServerState,
-)
+from numpyro_fed.algorithms.vertical_sfvi import AuxSample, VerticalPartyState
+from numpyro_fed.util import stack
 from numpyro_fed.vertical.structure import (
     SERVER,
     fill_values,
@@ -174,35 +171,39 @@ def test_t13_the_server_function_takes_no_party_parameter():
     optim = optax.adam(0.01)
     vfl = nf.VerticalSFVI(nf.augment(fx.rich_model, 0.5), nf.VerticalFamily(), optim)
     st = vfl.setup(data)
-    alg = vfl.algorithm
-    # the server's inputs: its own state, the parties' messages, its view, key, rows
+    alg = vfl._make_algorithm(data)  # the server's view is bound here
+    # the server's inputs: its own state, the parties' replies, its key, who replied
     assert list(inspect.signature(alg.server_step).parameters) == [
         "state",
-        "msgs",
-        "view",
+        "replies",
         "key",
-        "idx",
+        "participating",
     ]
-    assert AuxSample._fields == ("z", "row_hash")
+    assert AuxSample._fields == ("z", "row_hash", "elbo", "cross")
     # its state holds q(gamma) over its own latents only (b and log sigma)
     raw0 = vfl.family.init(SERVER, jax.random.key(0))
     assert vfl.family.dim(SERVER) == 2 and raw0["param"] == {}
-    server = VerticalServerState(raw0, optim.init(raw0))
+    server = alg.init_server(jax.random.key(0))
+    assert jax.tree.structure(server.raw) == jax.tree.structure(raw0)
     # its view holds no party column (NaN placeholders), yet its step is finite
     view = data.view(SERVER)
     assert bool(jnp.isnan(view["x_a"]).all() and jnp.isnan(view["x_b"]).all())
-    _, r = vfl.round_keys(jax.random.key(1))
+    _, key, keys = vfl._round_keys(jax.random.key(1), len(st.parties))
+    message = alg.server_message(server, key)
     # jitted: NaN placeholders must not meet NumPyro's eager argument validation
-    send = jax.jit(alg.party_send, static_argnums=0)
-    msgs = {}
+    send = jax.jit(alg.silo_step)
+    replies = []
     for i, p in enumerate(st.parties):
         raw = vfl.family.init(p, jax.random.key(i + 1))
-        party = VerticalPartyState(raw, optim.init(raw))
-        msgs[p] = send(p, party, data.view(p), r.party_keys[p], r.idx)
-    _, grads, elbo = jax.jit(alg.server_step)(server, msgs, view, r.server_key, r.idx)
-    assert np.isfinite(float(elbo))
-    for p in st.parties:
-        assert grads[p].g.shape == (12,) and bool(jnp.isfinite(grads[p].g).all())
+        party = VerticalPartyState(raw, optim.init(raw), jnp.arange(2, dtype=jnp.int32))
+        replies.append(send(message.at(i), party, vfl._party_data(data, p), keys[i])[0])
+    server, info = jax.jit(alg.server_step)(
+        server, stack(replies), key, jnp.ones(2, bool)
+    )
+    assert np.isfinite(float(info.server_elbo))
+    for j, _ in enumerate(st.parties):
+        g = server.grads[j]
+        assert g.shape == (12,) and bool(jnp.isfinite(g).all())
 
 
 # ------------------------------------------------------------------------ T14

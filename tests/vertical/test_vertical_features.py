@@ -16,22 +16,20 @@ import optax
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed.algorithms.vertical import (
+from numpyro_fed.algorithms.vertical_sfvi import (
     AuxGrad,
-    RowIndexMismatchError,
-    VerticalPartyState,
-    VerticalServerState,
-    VerticalSFVIState,
-    name_key_data,
-)
-from numpyro_fed.algorithms.vertical_protocol import (
     AuxSample,
+    RowIndexMismatchError,
+    VerticalBroadcast,
+    VerticalPartyState,
     check_row_hashes,
-    standard_noise,
+    name_key_data,
     vertical_sfvi,
 )
+from numpyro_fed.protocol import Message
 from numpyro_fed.vertical.data import row_hash
 from numpyro_fed.vertical.structure import SERVER
+from numpyro_fed.vertical.terms import standard_noise
 from tests.vertical import _fixtures as fx
 
 SIGMA = 0.7
@@ -94,10 +92,15 @@ def fresh_state(vfl, data, key=0, scale=0.3):
             ),
             raw,
         )
-        parties[p] = VerticalPartyState(raw, vfl._optims_by_owner[p].init(raw))
-    raw0 = vfl.family.init(SERVER, key)
-    server = VerticalServerState(raw0, vfl._optims_by_owner[SERVER].init(raw0))
-    return VerticalSFVIState(server, parties, jax.random.key(3))
+        slots = jnp.arange(len(vfl.structure.parties), dtype=jnp.int32)
+        parties[p] = VerticalPartyState(raw, vfl._optims_by_owner[p].init(raw), slots)
+    server = vfl._make_algorithm(data).init_server(key)
+    return vfl.state_of(server, parties, jax.random.key(3), data)
+
+
+def _by_party(vfl, state):
+    """The state with its parties in their own layouts (whatever their grouping)."""
+    return state.server, vfl.party_states(state), state.rng_key
 
 
 def assert_trees_close(a, b, tol):
@@ -191,11 +194,12 @@ def test_t10_row_permutation_leaves_results_unchanged():
             vfl = nf.VerticalSFVI(nf.augment(model, 0.5), family, optax.sgd(0.02))
         state = fresh_state(vfl, data)
         if noise is not None:  # the same rounds with the noise permuted like the rows
-            vfl.algorithm = vertical_sfvi(
+            vfl._make_algorithm = lambda data: vertical_sfvi(
                 vfl.model,
                 vfl.family,
                 vfl.structure,
                 vfl._optims_by_owner,
+                data.view(SERVER),
                 noise=noise(standard_noise(vfl.family, vfl.structure)),
             )
         return vfl.run(None, steps, data, progress_bar=False, init_state=state), vfl
@@ -236,7 +240,7 @@ def test_t12_minibatch_elbo_is_unbiased_with_shared_rows():
         state = fresh_state(vfl, data)  # the same parameters for both
         raws = {
             SERVER: state.server.raw,
-            **{p: s.raw for p, s in state.parties.items()},
+            **{p: s.raw for p, s in vfl.party_states(state).items()},
         }
         if sub is not None:
             assert vfl.structure.z_scale == n / batch
@@ -269,14 +273,20 @@ def test_t12_row_hash_check():
 
 
 def _deviating_party(vfl):
-    honest = vfl.round_keys
+    honest = vfl._make_algorithm
 
-    def deviating(key):  # party b draws its own rows instead of the shared ones
-        key, r = honest(key)
-        idx = dict(r.party_idx, b=jnp.roll(r.party_idx["b"], 1))
-        return key, r._replace(party_idx=idx)
+    def deviating(data):  # party b uses other rows than the shared ones
+        alg = honest(data)
 
-    vfl.round_keys = deviating
+        def silo_step(message, state, silo, key):
+            if "b" in silo.arrays:
+                b = message.broadcast
+                message = message._replace(broadcast=b._replace(idx=jnp.roll(b.idx, 1)))
+            return alg.silo_step(message, state, silo, key)
+
+        return alg._replace(silo_step=silo_step)
+
+    vfl._make_algorithm = deviating
     vfl._built = {}
 
 
@@ -320,25 +330,24 @@ def test_t16_local_steps_hold_the_server_gradient_fixed():
     assert len(record) == 1
     state = fresh_state(one, data)
     fresh_state(three, data)
-    views = one._views(data)
+    party = one.party_states(state)["a"]
     _, r = one.round_keys(state.rng_key)
     grad = AuxGrad(jax.random.normal(jax.random.key(5), (20,)))
-    upd1 = jax.jit(one.algorithm.party_update, static_argnums=0)
-    upd3 = jax.jit(three.algorithm.party_update, static_argnums=0)
-    args = (views["a"], r.party_keys["a"], r.idx, grad)
-    s, first_elbo = upd1("a", state.parties["a"], *args)
+    # the update phase (1) of Algorithm 1, with the server's gradient routed to a
+    message = Message(VerticalBroadcast(jnp.int32(1), r.idx, (), {}), grad)
+    upd1 = jax.jit(one._make_algorithm(data).silo_step)
+    upd3 = jax.jit(three._make_algorithm(data).silo_step)
+    args = (one._party_data(data, "a"), r.party_keys["a"])
+    first, s = upd1(message, party, *args)
     for _ in range(2):  # two more steps, same noise, same server gradient
-        s, _ = upd1("a", s, *args)
-    s3, elbo3 = upd3("a", state.parties["a"], *args)
+        _, s = upd1(message, s, *args)
+    reply3, s3 = upd3(message, party, *args)
     assert_trees_close(s3, s, 1e-12)
-    assert float(elbo3) == float(first_elbo)  # reported at the round's parameters
+    # reported at the round's parameters
+    assert float(reply3.elbo) == float(first.elbo)
     assert (
         float(
-            jnp.max(
-                jnp.abs(
-                    s3.raw["loc"] - upd1("a", state.parties["a"], *args)[0].raw["loc"]
-                )
-            )
+            jnp.max(jnp.abs(s3.raw["loc"] - upd1(message, party, *args)[1].raw["loc"]))
         )
         > 1e-3
     )
@@ -370,7 +379,10 @@ def test_t10_vmapped_and_looped_parties_agree_in_any_block_order():
     looped, r2 = _fit(linear_model(("c", "a", "b")), data, family, False)
     assert vmapped.party_groups == (("a", "b"), ("c",))
     assert looped.party_groups == (("a",), ("b",), ("c",))
-    assert_trees_close(r1.state, r2.state, 1e-12)
+    # a second init on the same instance starts every party in its own layout
+    again = vmapped.run(jax.random.key(0), 4, data, progress_bar=False)
+    assert_trees_close(_by_party(vmapped, again.state), _by_party(vmapped, r1.state), 0)
+    assert_trees_close(_by_party(vmapped, r1.state), _by_party(looped, r2.state), 1e-12)
     assert jnp.max(jnp.abs(r1.losses - r2.losses)) < 1e-12 * jnp.max(jnp.abs(r2.losses))
 
 
@@ -382,7 +394,7 @@ def test_equal_shapes_with_different_code_are_not_vmapped():
         nf.augment(model, 0.5), nf.VerticalFamily(hidden=(3,)), optax.adam(0.02)
     )
     state = fresh_state(vfl, data)
-    vfl._find_groups(state, vfl._views(data))
+    vfl._find_groups(vfl.party_states(state), data, state.rng_key)
     assert vfl.party_groups == (("a",), ("b",))
     same = nf.VerticalSFVI(
         nf.augment(linear_model(("a", "b")), 0.5),
@@ -390,7 +402,7 @@ def test_equal_shapes_with_different_code_are_not_vmapped():
         optax.adam(0.02),
     )
     state = fresh_state(same, data)
-    same._find_groups(state, same._views(data))
+    same._find_groups(same.party_states(state), data, state.rng_key)
     assert same.party_groups == (("a", "b"),)
     # a party's own optimizer keeps it apart without a probe
     own = nf.VerticalSFVI(
@@ -399,7 +411,7 @@ def test_equal_shapes_with_different_code_are_not_vmapped():
         {"a": optax.adam(0.02), "b": optax.adam(0.01), "server": optax.adam(0.02)},
     )
     state = fresh_state(own, data)
-    own._find_groups(state, own._views(data))
+    own._find_groups(own.party_states(state), data, state.rng_key)
     assert own.party_groups == (("a",), ("b",))
 
 
@@ -412,4 +424,4 @@ def test_power_likelihood_vmapped_parties_agree_with_the_loop():
     vmapped, r1 = _fit(model, data, family, True, kind="power")
     looped, r2 = _fit(model, data, family, False, kind="power")
     assert vmapped.party_groups == (("a", "b", "c"),)
-    assert_trees_close(r1.state, r2.state, 1e-12)
+    assert_trees_close(_by_party(vmapped, r1.state), _by_party(looped, r2.state), 1e-12)

@@ -12,7 +12,9 @@ import optax
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed.algorithms.vertical import AuxGrad, AuxSample
+from numpyro_fed.algorithms.vertical_sfvi import AuxGrad, AuxSample
+from numpyro_fed.protocol import jit_algorithm
+from numpyro_fed.util import stack
 from numpyro_fed.vertical.structure import (
     SERVER,
     fill_values,
@@ -22,15 +24,17 @@ from numpyro_fed.vertical.structure import (
 from tests.vertical import _fixtures as fx
 
 
-def _raws(state):
-    return {SERVER: state.server.raw, **{p: s.raw for p, s in state.parties.items()}}
+def _raws(vfl, state):
+    parties = vfl.party_states(state)
+    return {SERVER: state.server.raw, **{p: s.raw for p, s in parties.items()}}
 
 
-def _perturbed(state, scale=0.3):
+def _perturbed(vfl, state, data, scale=0.3):
     """Move every parameter off its initialization (zero last layers, zero
     off-diagonals), so that every gradient path is exercised."""
+    states = vfl.party_states(state)
     leaves, tree = jax.tree.flatten(
-        (state.server.raw, {p: s.raw for p, s in state.parties.items()})
+        (state.server.raw, {p: s.raw for p, s in states.items()})
     )
     keys = jax.random.split(jax.random.key(42), len(leaves))
     leaves = [
@@ -38,9 +42,11 @@ def _perturbed(state, scale=0.3):
         for x, k in zip(leaves, keys, strict=True)
     ]
     server, parties = jax.tree.unflatten(tree, leaves)
-    return state._replace(
-        server=state.server._replace(raw=server),
-        parties={p: s._replace(raw=parties[p]) for p, s in state.parties.items()},
+    return vfl.state_of(
+        state.server._replace(raw=server),
+        {p: s._replace(raw=parties[p]) for p, s in states.items()},
+        state.rng_key,
+        data,
     )
 
 
@@ -77,11 +83,11 @@ def test_t5_protocol_gradients_equal_joint_autodiff(kind, aux, cov):
     family = nf.VerticalFamily(aux=aux, theta_cov=cov, hidden=(4,))
     # the update is the gradient; local_steps=1 (the default, T16) is Algorithm 1/2
     vfl = nf.VerticalSFVI(aug, family, optax.sgd(1.0), local_steps=1)
-    state = _perturbed(vfl.init(jax.random.key(1), data))
+    state = _perturbed(vfl, vfl.init(jax.random.key(1), data), data)
     new, loss = vfl.update(state, data)
-    protocol = jax.tree.map(lambda n, o: n - o, _raws(new), _raws(state))
+    protocol = jax.tree.map(lambda n, o: n - o, _raws(vfl, new), _raws(vfl, state))
     value, joint = jax.jit(jax.value_and_grad(lambda r, k: vfl.joint_elbo(r, k, data)))(
-        _raws(state), state.rng_key
+        _raws(vfl, state), state.rng_key
     )
     assert abs(float(loss) + float(value)) < 1e-10 * abs(float(value))
     assert _max_rel(protocol, joint) < 1e-6
@@ -96,25 +102,27 @@ def test_t5_mutation_a_fresh_draw_at_the_update_biases_the_gradient():
         optax.sgd(1.0),
         runtime="sequential",
     )
-    state = _perturbed(vfl.init(jax.random.key(0), data))
-    views = vfl._views(data)
-    alg = vfl._built["sequential"]  # the jitted pure functions
-    _, r = vfl.round_keys(state.rng_key)
-    msgs = {
-        p: alg.party_send(p, state.parties[p], views[p], r.party_keys[p], r.idx)
-        for p in ("a", "b")
-    }
-    _, grads, _ = alg.server_step(
-        state.server, msgs, views[SERVER], r.server_key, r.idx
+    state = _perturbed(vfl, vfl.init(jax.random.key(0), data), data)
+    alg = jit_algorithm(vfl._make_algorithm(data))  # the jitted pure functions
+    parties = vfl.party_states(state)
+    silo_data = {p: vfl._party_data(data, p) for p in ("a", "b")}
+    _, server_key, keys = vfl._round_keys(state.rng_key, 2)
+    keys = dict(zip(("a", "b"), keys, strict=True))
+    send = alg.server_message(state.server, server_key)  # phase 0: the z_j
+    replies = [
+        alg.silo_step(send.at(j), parties[p], silo_data[p], keys[p])[0]
+        for j, p in enumerate(("a", "b"))
+    ]
+    server, _ = alg.server_step(
+        state.server, stack(replies), server_key, jnp.ones(2, bool)
     )
+    grads = alg.server_message(server, server_key)  # phase 1: the gradients
     joint = jax.jit(jax.grad(lambda r, k: vfl.joint_elbo(r, k, data)))(
-        _raws(state), state.rng_key
+        _raws(vfl, state), state.rng_key
     )
-    for key, close in ((r.party_keys["a"], True), (jax.random.key(99), False)):
-        new, _ = alg.party_update(
-            "a", state.parties["a"], views["a"], key, r.idx, grads["a"]
-        )
-        diff = jax.tree.map(lambda n, o: n - o, new.raw, state.parties["a"].raw)
+    for key, close in ((keys["a"], True), (jax.random.key(99), False)):
+        _, new = alg.silo_step(grads.at(0), parties["a"], silo_data["a"], key)
+        diff = jax.tree.map(lambda n, o: n - o, new.raw, parties["a"].raw)
         assert (_max_rel(diff, joint["a"]) < 1e-6) == close
 
 
@@ -122,8 +130,8 @@ def test_t4_elbo_partition_equals_numpyro_trace_elbo():
     data = fx.rich_data(placeholder=None)
     aug = nf.augment(fx.rich_model, 0.5)
     vfl = nf.VerticalSFVI(aug, nf.VerticalFamily(hidden=(4,)), optax.adam(0.05))
-    state = _perturbed(vfl.init(jax.random.key(0), data))
-    raws = _raws(state)
+    state = _perturbed(vfl, vfl.init(jax.random.key(0), data), data)
+    raws = _raws(vfl, state)
     guide = vfl.numpyro_guide(raws)
     arrays = data.pooled()
     params = handlers.trace(handlers.seed(guide, 0)).get_trace(**arrays)
@@ -182,10 +190,13 @@ def test_t8_nan_poisoned_views_leave_everything_bit_identical_and_messages_audit
     kinds = set()
     for (_, s, r, m), (_, s2, r2, m2) in zip(messages, vfl.messages, strict=True):
         assert (s, r) == (s2, r2) and bool(jnp.all(m[0] == m2[0]))
-        # only z_j and its gradient cross: one number per row, nothing else (the
-        # row-index hash is None: every round uses every row)
+        # only z_j and its gradient cross: one number per row, and the party's
+        # scalar ELBO term for the loss trace (the row-index hash is None: every
+        # round uses every row)
         assert isinstance(m, (AuxSample, AuxGrad))
-        assert m[0].shape == (12,) and all(x is None for x in m[1:])
+        assert m[0].shape == (12,)
+        if isinstance(m, AuxSample):
+            assert m.row_hash is None and m.elbo.shape == () and m.cross == ()
         kinds.add((type(m).__name__, s == SERVER))
     assert kinds == {("AuxSample", False), ("AuxGrad", True)}
     # the simulation runtime (one jitted round) computes the same rounds

@@ -1,7 +1,7 @@
 # Copyright Contributors to the numpyro-fed project.
 # SPDX-License-Identifier: Apache-2.0
-"""How the runtimes drive the parties in a round (:func:`drive_round`); parties
-with equal blocks run as one vmapped call in the simulation runtime.
+"""Which parties can run as one vmapped call (:func:`find_groups`): the layout that
+:class:`~numpyro_fed.infer.vertical.VerticalSFVI` hands to the grouped runtime.
 
 Two parties can share one compiled function when they run the same code on inputs of
 the same shapes, up to names: party ``p`` then runs the function of its group's
@@ -13,25 +13,13 @@ natively and through the lead's function at a random point, must agree; a party
 that fails the probe keeps its own function (the loop).
 """
 
-from contextlib import contextmanager
-from functools import partial
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_fed.algorithms.vertical_protocol import RowIndexMismatchError
-from numpyro_fed.vertical.structure import SERVER
-
-__all__ = [
-    "PartyGroup",
-    "checked",
-    "drive_round",
-    "find_groups",
-    "row_errors",
-    "run_parties",
-]
+__all__ = ["PartyGroup", "as_layout", "find_groups", "rename", "signature"]
 
 
 class PartyGroup(NamedTuple):
@@ -181,165 +169,3 @@ def _agree(a: Any, b: Any) -> bool:
         if not (np.all(np.isfinite(x)) and np.allclose(x, y, rtol=1e-10, atol=1e-12)):
             return False
     return True
-
-
-def run_parties(
-    fn: Callable,
-    groups: tuple[PartyGroup, ...],
-    args: dict,
-    into: Callable,
-    back: Callable,
-) -> dict:
-    """
-    ``fn(party, *args[party])`` for every party: a singleton group calls its own
-    function, a larger one calls its lead's function once, vmapped over its parties'
-    stacked inputs.
-
-    :param callable fn: a party function with the party name first.
-    :param tuple groups: from :func:`find_groups`.
-    :param dict args: party -> tuple of its arguments.
-    :param callable into: ``(group, party, args) -> args`` in the lead's layout.
-    :param callable back: ``(group, party, output) -> output`` in the party's layout.
-    :return: party -> output.
-    """
-    out = {}
-    for g in groups:
-        if len(g.parties) == 1:
-            out[g.lead] = fn(g.lead, *args[g.lead])
-            continue
-        mapped = [into(g, p, args[p]) for p in g.parties]
-        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *mapped)
-        result = jax.vmap(partial(fn, g.lead))(*stacked)
-        for i, p in enumerate(g.parties):
-            out[p] = back(g, p, jax.tree.map(lambda x, i=i: x[i], result))
-    return out
-
-
-def drive_round(
-    alg: Any,
-    structure: Any,
-    server_state: Any,
-    ps: dict,
-    views: dict,
-    r: Any,
-    groups: tuple[PartyGroup, ...] | None,
-    log: Callable,
-) -> tuple[Any, dict, jax.Array, dict]:
-    """
-    One round of the protocol ``alg`` (a ``VerticalAlgorithm``): Algorithm 1 for
-    ``structure.kind == "augmented"``, Algorithm 2 otherwise.
-
-    :param alg: the round's functions (jitted or not).
-    :param structure: the model's ``VerticalStructure``.
-    :param server_state: the server's state.
-    :param dict ps: party -> its state.
-    :param dict views: owner -> its view of the data.
-    :param r: the round's row indices and keys (``round_keys``).
-    :param tuple groups: from :func:`find_groups` (``None``: one party at a time).
-    :param callable log: ``(sender, {party: message})``, called with every message.
-    :return: ``(server state, {party: state}, loss, {owner: ELBO term})``.
-    """
-    parties = structure.parties
-    if groups is None:
-        groups = tuple(PartyGroup(p, (p,), {p: ({}, {})}) for p in parties)
-
-    def state_in(g, p, s):
-        return as_layout(ps[g.lead], s)
-
-    def view_in(g, p, v):
-        return rename(v, g.renames[p][1])
-
-    def broadcast_in(g, p, b):
-        return None if b is None else b._replace(z=rename(b.z, g.renames[p][0]))
-
-    msgs = run_parties(
-        alg.party_send,
-        groups,
-        {p: (ps[p], views[p], r.party_keys[p], r.party_idx[p]) for p in parties},
-        lambda g, p, a: (state_in(g, p, a[0]), view_in(g, p, a[1]), *a[2:]),
-        lambda g, p, out: out,
-    )
-    log("party", msgs)
-    broadcast = None
-    if structure.kind == "augmented":
-        server, grads, server_elbo = alg.server_step(
-            server_state, msgs, views[SERVER], r.server_key, r.idx
-        )
-    else:
-        broadcast = alg.server_broadcast(server_state, msgs, r.server_key, r.idx)
-        log("server", {p: broadcast for p in parties})
-        cross = run_parties(
-            alg.party_cross,
-            groups,
-            {
-                p: (ps[p], views[p], r.party_keys[p], r.party_idx[p], broadcast)
-                for p in parties
-            },
-            lambda g, p, a: (
-                state_in(g, p, a[0]),
-                view_in(g, p, a[1]),
-                *a[2:4],
-                broadcast_in(g, p, a[4]),
-            ),
-            lambda g, p, out: out._replace(z=rename(out.z, g.renames[p][0])),
-        )
-        log("party", cross)
-        server, grads, server_elbo = alg.server_collect(
-            server_state, views[SERVER], r.server_key, r.idx, broadcast, cross
-        )
-    log("server", grads)
-    updated = run_parties(
-        alg.party_update,
-        groups,
-        {
-            p: (
-                ps[p],
-                views[p],
-                r.party_keys[p],
-                r.party_idx[p],
-                grads[p],
-                broadcast,
-            )
-            for p in parties
-        },
-        lambda g, p, a: (
-            state_in(g, p, a[0]),
-            view_in(g, p, a[1]),
-            *a[2:5],
-            broadcast_in(g, p, a[5]),
-        ),
-        lambda g, p, out: (as_layout(ps[p], out[0]), out[1]),
-    )
-    new = {p: updated[p][0] for p in parties}
-    elbos = {p: updated[p][1] for p in parties}
-    loss = -(server_elbo + sum(elbos[p] for p in parties))
-    info = {SERVER: server_elbo, **elbos}
-    return server, new, loss, info
-
-
-@contextmanager
-def row_errors():
-    """Re-raise a row-index mismatch that the server detected inside a compiled round
-    (a host callback's error) as :class:`RowIndexMismatchError`."""
-    try:
-        yield
-    except jax.errors.JaxRuntimeError as err:
-        text = str(err)
-        tag = "RowIndexMismatchError: "
-        if tag not in text:
-            raise
-        raise RowIndexMismatchError(
-            text[text.rindex(tag) + len(tag) :].splitlines()[0]
-        ) from None
-
-
-def checked(step: Callable) -> Callable:
-    """``step`` run to completion under :func:`row_errors`."""
-
-    def call(state):
-        if isinstance(state.rng_key, jax.core.Tracer):  # traced (run's lax.scan)
-            return step(state)
-        with row_errors():
-            return jax.block_until_ready(step(state))
-
-    return call
