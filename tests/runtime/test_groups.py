@@ -29,14 +29,22 @@ RUNTIME = pathlib.Path(nf.__file__).parent / "runtime"
 
 def test_runtimes_import_only_the_contract_and_name_no_algorithm():
     for path in sorted(RUNTIME.glob("*.py")):
-        if path.name == "pvi_schedules.py":  # PVI's own schedules: issue 17, item 2
-            continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module.startswith(
                 "numpyro_fed"
             ):
                 assert node.module.split(".")[1] in ("protocol", "util", "runtime"), (
+                    path.name,
+                    node.module,
+                )
+    # ... and the algorithms, pure factories, never import a runtime or a user class.
+    for path in sorted((RUNTIME.parent / "algorithms").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module.startswith(
+                "numpyro_fed"
+            ):
+                assert node.module.split(".")[1] not in ("runtime", "infer"), (
                     path.name,
                     node.module,
                 )
