@@ -9,8 +9,6 @@ the data with :class:`FederatedData`, and run a federated algorithm such as
 
 from numpyro_fed import expfam, sgld_diagnostics
 from numpyro_fed.algorithms import (
-    DSGLD,
-    FSGLD,
     PVI,
     FedGVI,
     InvalidCavity,
@@ -18,7 +16,6 @@ from numpyro_fed.algorithms import (
     PVIResult,
     PVIState,
     RowIndexMismatchError,
-    SGLDState,
     VerticalParams,
     VerticalSFVI,
     VerticalSFVIState,
@@ -38,10 +35,11 @@ from numpyro_fed.diagnostics import compare, format_compare, to_arviz
 from numpyro_fed.families import AutoAmortized, AutoMeanField, AutoStructured
 from numpyro_fed.handlers import federate, silo_plate
 from numpyro_fed.infer.driver import FederatedState, RunResult
+from numpyro_fed.infer.mcmc import DSGLD, FSGLD, SGLDState
 from numpyro_fed.infer.vi import SFVI, SFVIAvg, SFVIParams
 from numpyro_fed.partition import ModelRoles, analyze
 from numpyro_fed.protocol import FederatedAlgorithm, SiloData
-from numpyro_fed.surrogates import GaussianSurrogates, fit_surrogates
+from numpyro_fed.surrogates import fit_surrogates
 from numpyro_fed.vertical import (
     AugmentedModel,
     VerticalData,
@@ -69,7 +67,6 @@ __all__ = [
     "FSGLD",
     "FederatedAlgorithm",
     "FederatedData",
-    "GaussianSurrogates",
     "ModelRoles",
     "RunResult",
     "SFVI",

@@ -25,14 +25,7 @@ from numpyro_fed.algorithms.sfvi_avg import (
     SFVIAvgSiloState,
     sfvi_avg,
 )
-from numpyro_fed.algorithms.sgld import (
-    DSGLD,
-    FSGLD,
-    CommStats,
-    SGLDState,
-    annealed_step_size,
-    fsgld,
-)
+from numpyro_fed.algorithms.sgld import annealed_step_size, dsgld, fsgld
 from numpyro_fed.algorithms.vertical import (
     RowIndexMismatchError,
     VerticalParams,
@@ -43,11 +36,8 @@ from numpyro_fed.algorithms.vertical import (
 
 __all__ = [
     "FedGVI",
-    "CommStats",
-    "DSGLD",
-    "FSGLD",
-    "SGLDState",
     "annealed_step_size",
+    "dsgld",
     "fsgld",
     "InvalidCavity",
     "PVI",
