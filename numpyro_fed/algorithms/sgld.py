@@ -409,6 +409,10 @@ def fsgld(
         (_, z_local), trajectory = jax.lax.scan(
             body, start, jnp.arange(steps, dtype=jnp.int32), unroll=steps == 1
         )
+        # The server drops a non-finite trajectory; the silo keeps its locals then.
+        if z_local:
+            ok = all_finite((trajectory, z_local))
+            z_local = tree_where(ok, z_local, state.z_local)
         return FSGLDSiloMessage(trajectory), FSGLDSiloState(z_local)
 
     def select(state: FSGLDServerState, key: jax.Array, num: int) -> jax.Array:

@@ -21,6 +21,7 @@ from numpyro_fed.runtime import (
     sequential_round,
     simulate_round,
 )
+from numpyro_fed.util import take
 from tests import _models as m
 
 TAU, ROUNDS = 5, 8
@@ -132,6 +133,16 @@ def test_a_non_finite_reply_is_dropped_and_the_chain_goes_on(hierarchical):
         jax.tree.map(
             np.testing.assert_array_equal, getattr(same, field), getattr(server, field)
         )
+    # a silo whose steps went non-finite keeps its local sites
+    lost = server._replace(
+        z_global={"mu": jnp.full_like(server.z_global["mu"], jnp.nan)}
+    )
+    j = int(server.silo)
+    message = algorithm.server_message(lost, jax.random.key(2)).at(j)
+    old = take(silos, j)
+    reply, kept = algorithm.silo_step(message, old, take(silo_data, j), silo_keys[j])
+    assert not np.all(np.isfinite(reply.trajectory["mu"]))
+    jax.tree.map(np.testing.assert_array_equal, kept, old)
     # and the run continues from the kept position
     server, silos, info = simulate_round(
         algorithm, new, silos, silo_data, jax.random.key(3), silo_keys
