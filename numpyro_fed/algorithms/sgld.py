@@ -350,6 +350,7 @@ def fsgld(
     init_strategy: Callable = init_to_uniform,
     *,
     steps_per_contact: int | None = None,
+    reject_nonfinite: bool = True,
 ) -> FederatedAlgorithm:
     """
     FSGLD (DSGLD when ``cfg.conducive`` is ``None``) as a
@@ -365,6 +366,9 @@ def fsgld(
     :param int steps_per_contact: Langevin steps per contact, a divisor of
         ``cfg.tau`` (default ``cfg.tau``: one contact per visit, Algorithm 1; the
         MCMC kernels take 1, one step per sample).
+    :param bool reject_nonfinite: drop a non-finite trajectory (the contract's
+        guard against a faulty silo); the MCMC kernels turn it off, so a diverging
+        chain shows NaNs, as NumPyro's samplers do, and skips the check's cost.
     :rtype: FederatedAlgorithm
     """
     steps = cfg.tau if steps_per_contact is None else steps_per_contact
@@ -410,7 +414,7 @@ def fsgld(
             body, start, jnp.arange(steps, dtype=jnp.int32), unroll=steps == 1
         )
         # The server drops a non-finite trajectory; the silo keeps its locals then.
-        if z_local:
+        if z_local and reject_nonfinite:
             ok = all_finite((trajectory, z_local))
             z_local = tree_where(ok, z_local, state.z_local)
         return FSGLDSiloMessage(trajectory), FSGLDSiloState(z_local)
@@ -424,7 +428,7 @@ def fsgld(
         silo = state.silo
         reply = take(replies, silo)
         arrived = participating[silo]
-        finite = all_finite(reply)
+        finite = all_finite(reply) if reject_nonfinite else jnp.array(True)
         here = jax.tree.map(
             lambda x: jnp.broadcast_to(x, (steps,) + jnp.shape(x)), state.z_global
         )
@@ -453,8 +457,15 @@ def dsgld(
     init_strategy: Callable = init_to_uniform,
     *,
     steps_per_contact: int | None = None,
+    reject_nonfinite: bool = True,
 ) -> FederatedAlgorithm:
     """DSGLD (Ahn et al. 2014): :func:`fsgld` without surrogates (``alpha = 0``);
     ``cfg``'s surrogates, if any, are ignored."""
     cfg = cfg._replace(alpha=0.0, conducive=None)
-    return fsgld(pot, cfg, init_strategy, steps_per_contact=steps_per_contact)
+    return fsgld(
+        pot,
+        cfg,
+        init_strategy,
+        steps_per_contact=steps_per_contact,
+        reject_nonfinite=reject_nonfinite,
+    )

@@ -298,12 +298,23 @@ class FSGLD(MCMCKernel):
         """The chain's :class:`~numpyro_fed.algorithms.sgld.SGLDConfig` on ``data``."""
         return self._setup(data)[1]
 
-    def algorithm(self, data: Any, steps_per_contact: int | None = None):
+    def algorithm(
+        self,
+        data: Any,
+        steps_per_contact: int | None = None,
+        reject_nonfinite: bool = True,
+    ) -> FederatedAlgorithm:
         """The chain as a :class:`~numpyro_fed.FederatedAlgorithm` on ``data``
         (:func:`~numpyro_fed.algorithms.sgld.fsgld`; ``steps_per_contact`` defaults to
-        ``tau``, the kernel itself takes 1)."""
+        ``tau``; the kernel itself takes 1 and does not reject non-finite steps)."""
         pot, cfg = self._setup(data)
-        return fsgld(pot, cfg, self._init_strategy, steps_per_contact=steps_per_contact)
+        return fsgld(
+            pot,
+            cfg,
+            self._init_strategy,
+            steps_per_contact=steps_per_contact,
+            reject_nonfinite=reject_nonfinite,
+        )
 
     # -------------------------------------------------------------- NumPyro API
     @property
@@ -329,7 +340,8 @@ class FSGLD(MCMCKernel):
         del num_warmup
         data = self._data(model_args, model_kwargs)
         pot, cfg = self._setup(data)
-        algorithm = self.algorithm(data, steps_per_contact=1)
+        # NaNs of a diverging chain show in its samples, as with NumPyro's kernels.
+        algorithm = self.algorithm(data, steps_per_contact=1, reject_nonfinite=False)
 
         def one(key, z=None):
             init_key, chain_key = jax.random.split(key)
