@@ -38,8 +38,6 @@ from numpyro.infer import MCMC, NUTS
 from numpyro.infer.util import log_density
 
 import numpyro_fed as nf
-from numpyro_fed.algorithms.sgld import init, step
-from numpyro_fed.protocol import silo_data_of
 
 
 def model(X, y):
@@ -74,7 +72,6 @@ def step_cost(num_silos, rows_per_silo=1000, batch=50, num_steps=1000, repeats=1
             batch_size=batch,
         ),
     }
-    silo_data = silo_data_of(data)
     Xp, yp = jnp.asarray(X), jnp.asarray(y)
 
     def sgld_scan(state):  # plain SGLD on the pooled data, one minibatch per step
@@ -96,14 +93,15 @@ def step_cost(num_silos, rows_per_silo=1000, batch=50, num_steps=1000, repeats=1
 
     fns, states = [jax.jit(sgld_scan)], [(jnp.zeros(20), jax.random.key(0))]
     for kernel in kernels.values():
-        pot, cfg = kernel.potential(data), kernel.config(data)
+        # The kernel's own step (one contact of the chain's silo), as MCMC runs it.
+        start = {"beta": jnp.zeros(20)}
+        states.append(kernel.init(jax.random.key(0), 0, start, (data,), {}))
 
-        def scan(state, pot=pot, cfg=cfg):
-            body = lambda s, _: (step(pot, cfg, s, silo_data), None)
+        def scan(state, kernel=kernel):
+            body = lambda s, _: (kernel.sample(s, (data,), {}), None)
             return jax.lax.scan(body, state, None, length=num_steps)[0]
 
         fns.append(jax.jit(scan))
-        states.append(init(pot, {"beta": jnp.zeros(20)}, jax.random.key(0)))
     steps = [lambda state, fn=fn: (fn(state), None) for fn in fns]
     times = interleaved_times(steps, states, repeats, statistic=np.min)
     row = {
@@ -119,7 +117,7 @@ def step_cost(num_silos, rows_per_silo=1000, batch=50, num_steps=1000, repeats=1
 
 def accuracy_vs_time(num_rows, num_silos, lengths, seed=0):
     X, y = synthetic(num_rows, 10, seed)
-    groups = nf.split_label_skew(y, num_silos, dominant=0.9, seed=seed)
+    groups = nf.data.split_label_skew(y, num_silos, dominant=0.9, seed=seed)
     data = nf.FederatedData.from_groups(groups, X=X, y=y)
     pooled = data.pooled()
     start = time.perf_counter()

@@ -88,7 +88,7 @@ def shards(X, y, num_silos, seed):
     """Label-skewed shards of equal size (rows that do not divide evenly are
     dropped): ``(J, n, D)`` and ``(J, n)``, silo ``j`` dominated by digit ``j % 10``."""
     n = len(y) // num_silos
-    ids = nf.split_label_skew(y[: n * num_silos], num_silos, 0.9, seed=seed)
+    ids = nf.data.split_label_skew(y[: n * num_silos], num_silos, 0.9, seed=seed)
     rows = [np.flatnonzero(ids == j) for j in range(num_silos)]
     return np.stack([X[r] for r in rows]), np.stack([y[r] for r in rows])
 
@@ -97,7 +97,7 @@ def model_independent(X, y=None, hidden=32, num_classes=10):
     """The same BNN with every latent inside the silo plate: each silo has its own
     ``mu`` and ``sigma``. Its ELBO is a sum of per-silo ELBOs over disjoint
     parameters, and Adam and the mean-field guide act elementwise, so one SFVI run of
-    this model *is* independent per-silo VI (``nf.fit_independent``), done in one
+    this model *is* independent per-silo VI (``nf.baselines.fit_independent``), done in one
     compiled, vmapped program instead of ``J``."""
     num_features = X.shape[-1]
     with numpyro.plate("silo", X.shape[0], dim=-2):

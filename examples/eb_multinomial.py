@@ -62,7 +62,7 @@ def main(args):
     fed = nf.federate(model, silos="data")
     budget = args.budget
     for num_silos in args.num_silos:
-        groups = nf.split_iid(len(y_train), num_silos, seed=0)
+        groups = nf.data.split_iid(len(y_train), num_silos, seed=0)
         data = nf.FederatedData.from_groups(groups, X=X_train, y=y_train)
         rows = {}
 
@@ -80,7 +80,7 @@ def main(args):
             )
             result = avg.run(jax.random.key(0), budget // m, data, progress_bar=False)
             rows[f"SFVI-Avg({m}) x {budget // m}"] = score(avg, result.params)
-        fits = nf.fit_independent(
+        fits = nf.baselines.fit_independent(
             fed, nf.AutoMeanField, optax.adam(args.lr), data, jax.random.key(0), budget
         )
         per_silo = [score(f.svi, f.params) for f in fits]

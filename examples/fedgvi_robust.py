@@ -41,7 +41,7 @@ def split(seed: int, flip: float, num_silos: int = 10, contaminated: int = 3):
     test, train = order[:169], order[169:]
     mean, sd = X[train].mean(0), X[train].std(0)
     X = np.column_stack([np.ones(len(y)), (X - mean) / sd])
-    groups = nf.split_iid(len(train), num_silos, seed=seed)
+    groups = nf.data.split_iid(len(train), num_silos, seed=seed)
     y_train = y[train].astype(float)
     bad = (groups < contaminated) & (rng.uniform(size=len(train)) < flip)
     y_train[bad] = 1 - y_train[bad]

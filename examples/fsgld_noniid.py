@@ -267,7 +267,7 @@ def against_nuts(args):
         return mcmc
 
     h, m = 2e-5, 100  # h * (largest curvature) ~ 0.02; m = 100 rows per step
-    iid = nf.FederatedData.from_groups(nf.split_iid(len(y), 10, seed=0), X=X, y=y)
+    iid = nf.FederatedData.from_groups(nf.data.split_iid(len(y), 10, seed=0), X=X, y=y)
     q = nf.fit_surrogates(logistic, iid, prior_power=0.1)  # f_s = 1/10
     fsgld = run(nf.FSGLD(logistic, h, q, tau=10, batch_size=m), iid)
     print("\nFSGLD (10 IID silos, tau = 10, 4 chains) vs NUTS on the pooled data:")
@@ -279,7 +279,7 @@ def against_nuts(args):
     plot.savefig(out / "fsgld_trace.png")
     print(f"trace plot: {out / 'fsgld_trace.png'}")
 
-    skew = nf.split_label_skew(y, 10, dominant=0.9, seed=0)
+    skew = nf.data.split_label_skew(y, 10, dominant=0.9, seed=0)
     skewed = nf.FederatedData.from_groups(skew, X=X, y=y)
     q = nf.fit_surrogates(logistic, skewed, prior_power=0.1)
     print("\nLabel-skewed silos (90% one class): max |mean - NUTS| in NUTS sds, and")

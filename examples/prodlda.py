@@ -156,7 +156,7 @@ def main(args):
             args.num_docs, args.num_words, args.num_topics, seed=args.seed
         )
         vocab = np.array([f"w{i}" for i in range(counts.shape[1])])
-    groups = nf.split_iid(len(counts), 3, seed=args.seed)
+    groups = nf.data.split_iid(len(counts), 3, seed=args.seed)
     data = nf.FederatedData.from_groups(groups, counts=counts)
     print(data)
     bound = {"num_topics": args.num_topics, "link": args.link}
@@ -206,7 +206,7 @@ def main(args):
         fits[name] = topics_of(svi.guide, fits[name])
 
     start = time.perf_counter()
-    independent = nf.fit_independent(
+    independent = nf.baselines.fit_independent(
         fed, guide, optim(), data, jax.random.key(args.seed), steps
     )
     times["independent"] = time.perf_counter() - start

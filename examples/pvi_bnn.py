@@ -10,7 +10,7 @@ hidden layer of ``--hidden`` ReLU units (the paper: 200 on MNIST) and a softmax 
 prior :math:`N(0, I)` on every weight and bias, mean-field Gaussian q, ``J = 10``
 silos, split
 
-- **IID**: ``nf.split_iid`` (every silo holds every class);
+- **IID**: ``nf.data.split_iid`` (every silo holds every class);
 - **non-IID**: one digit per silo (the paper's split; silo sizes are the class counts).
 
 Methods, all with Adam (``--lr``) and the same number of local steps per round:
@@ -22,7 +22,7 @@ Methods, all with Adam (``--lr``) and the same number of local steps per round:
   ``nf.InvalidCavity``, and the script then evaluates the last valid q, marked ``*``);
 - **global VI**: SVI on the pooled data (``nf.SFVI`` with one silo), as many full-batch
   steps as a silo takes in the whole PVI run;
-- **local VI**: each silo alone (``nf.fit_independent``), evaluated on the whole test
+- **local VI**: each silo alone (``nf.baselines.fit_independent``), evaluated on the whole test
   set, averaged over silos;
 - **FedAvg-VI**: ``nf.SFVIAvg``: each round every silo starts from the server's
   ``(loc, scale)``, takes the same local steps on its ELBO with its likelihood scaled
@@ -186,7 +186,7 @@ def run_split(args, data, X_te, y_te):
     )
 
     start = time.perf_counter()
-    fits = nf.fit_independent(
+    fits = nf.baselines.fit_independent(
         fed, lambda m: guide(), optax.adam(args.lr), data, key, steps
     )
     per_silo = [predict(f.sample_posterior(key, args.draws), X_te, y_te) for f in fits]
@@ -208,7 +208,7 @@ def main(args):
         flush=True,
     )
     splits = {
-        "IID": nf.split_iid(len(y_tr), args.num_silos, seed=args.seed),
+        "IID": nf.data.split_iid(len(y_tr), args.num_silos, seed=args.seed),
         "non-IID": y_tr % args.num_silos,  # one digit per silo when J = 10
     }
     table = {}

@@ -7,7 +7,7 @@ Example: partitioned VI for Bayesian logistic regression (breast cancer, 10 silo
 Bayesian logistic regression on scikit-learn's Wisconsin breast-cancer data (569
 rows, 30 features, standardized with the training rows' statistics, plus an
 intercept), prior :math:`w \\sim N(0, I)`. The 80% training split is divided into 10
-silos, IID (``nf.split_iid``) and label-skewed (``nf.split_label_skew``: 90% of each
+silos, IID (``nf.data.split_iid``) and label-skewed (``nf.data.split_label_skew``: 90% of each
 silo is one class). Compared:
 
 - PVI with the sequential, synchronous (damping :math:`\\rho = 1/J`) and
@@ -196,8 +196,8 @@ def main(args):
     )
 
     splits = {
-        "IID": nf.split_iid(len(y_tr), args.num_silos, seed=args.seed),
-        "label-skew": nf.split_label_skew(y_tr, args.num_silos, 0.9, seed=args.seed),
+        "IID": nf.data.split_iid(len(y_tr), args.num_silos, seed=args.seed),
+        "label-skew": nf.data.split_label_skew(y_tr, args.num_silos, 0.9, seed=args.seed),
     }
     curves, rows, tables = {}, [], {}
     for split, groups in splits.items():

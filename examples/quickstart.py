@@ -43,7 +43,7 @@ def main(args):
     numpyro.enable_x64()
     cities = six_cities()
     # Two hospitals of 300 and 237 children, assigned at random.
-    hospital = nf.split_iid(len(cities.y), 2, sizes=[300, 237], seed=args.seed)
+    hospital = nf.data.split_iid(len(cities.y), 2, sizes=[300, 237], seed=args.seed)
     data = nf.FederatedData.from_groups(hospital, X=cities.X, y=cities.y)
     print(data)
 

@@ -30,7 +30,7 @@ from numpyro_fed.datasets import six_cities
 def main(args):
     numpyro.enable_x64()
     cities = six_cities()
-    hospital = nf.split_iid(len(cities.y), 2, sizes=[300, 237], seed=args.seed)
+    hospital = nf.data.split_iid(len(cities.y), 2, sizes=[300, 237], seed=args.seed)
     data = nf.FederatedData.from_groups(hospital, X=cities.X, y=cities.y)
     fed = nf.federate(model, silos="child")
     steps = args.num_steps
@@ -61,7 +61,7 @@ def main(args):
             jax.random.key(1), fit.params, data, num_samples=4000
         )
 
-    independent = nf.fit_independent(
+    independent = nf.baselines.fit_independent(
         fed,
         nf.AutoStructured,
         optim(),

@@ -56,7 +56,7 @@ def main(args):
         X, digits.target, test_size=0.3, random_state=0, stratify=digits.target
     )
     fed = nf.federate(model, silos="data")
-    groups = nf.split_iid(len(y_train), args.num_silos, seed=0)
+    groups = nf.data.split_iid(len(y_train), args.num_silos, seed=0)
     data = nf.FederatedData.from_groups(groups, X=X_train, y=y_train)
 
     judge = nf.SFVI(fed, nf.AutoMeanField(fed), optax.adam(args.lr), num_particles=32)

@@ -4,99 +4,89 @@
 
 Mark the plate that runs over silos (:func:`federate` or :class:`silo_plate`), split
 the data with :class:`FederatedData`, and run a federated algorithm such as
-:class:`SFVI` with the API of NumPyro's ``SVI``.
+:class:`SFVI` with the API of NumPyro's ``SVI``. Everything else (states, messages,
+splitters, densities, baselines) is reachable in its module: ``numpyro_fed.data``,
+``numpyro_fed.densities``, ``numpyro_fed.baselines``, ``numpyro_fed.partition``, ...
 """
 
-from numpyro_fed import expfam, sgld_diagnostics
-from numpyro_fed.algorithms import (
-    DSGLD,
-    FSGLD,
-    RowIndexMismatchError,
-    SGLDState,
-    annealed_step_size,
-    sfvi,
-    sfvi_avg,
+# Modules whose names stay in them, imported so that ``nf.data.split_iid`` works.
+from numpyro_fed import (  # noqa: F401
+    baselines,
+    data,
+    densities,
+    expfam,
+    partition,
+    sgld_diagnostics,
 )
-from numpyro_fed.baselines import fit_centralized, fit_independent
-from numpyro_fed.data import (
-    FederatedData,
-    split_dirichlet,
-    split_iid,
-    split_label_skew,
-)
-from numpyro_fed.densities import server_log_density, silo_log_density
+from numpyro_fed.algorithms.fedgvi import fedgvi
+from numpyro_fed.algorithms.pvi import pvi
+from numpyro_fed.algorithms.sfvi import sfvi
+from numpyro_fed.algorithms.sfvi_avg import sfvi_avg
+from numpyro_fed.algorithms.sgld import dsgld, fsgld
+from numpyro_fed.algorithms.vertical_sfvi import vertical_sfvi
+from numpyro_fed.data import FederatedData
 from numpyro_fed.diagnostics import compare, format_compare, to_arviz
 from numpyro_fed.families import AutoAmortized, AutoMeanField, AutoStructured
 from numpyro_fed.handlers import federate, silo_plate
 from numpyro_fed.infer.driver import FederatedState, RunResult
-from numpyro_fed.infer.pvi import PVI, FedGVI, InvalidCavity, PVIParams
-from numpyro_fed.infer.vertical import VerticalParams, VerticalSFVI
-from numpyro_fed.infer.vi import SFVI, SFVIAvg, SFVIParams
-from numpyro_fed.partition import ModelRoles, analyze
+from numpyro_fed.infer.mcmc import DSGLD, FSGLD
+from numpyro_fed.infer.pvi import PVI, FedGVI, InvalidCavity
+from numpyro_fed.infer.vertical import VerticalSFVI
+from numpyro_fed.infer.vi import SFVI, SFVIAvg
 from numpyro_fed.protocol import FederatedAlgorithm, SiloData
-from numpyro_fed.surrogates import GaussianSurrogates, fit_surrogates
+from numpyro_fed.surrogates import fit_surrogates
 from numpyro_fed.vertical import (
-    AugmentedModel,
     VerticalData,
     VerticalFamily,
     VerticalModelError,
     augment,
     contribution,
-    likelihood_dependencies,
     vertical,
 )
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
-    "FedGVI",
-    "InvalidCavity",
-    "PVI",
-    "PVIParams",
-    "AutoAmortized",
-    "AutoMeanField",
-    "AutoStructured",
-    "DSGLD",
-    "FSGLD",
-    "FederatedAlgorithm",
-    "FederatedData",
-    "GaussianSurrogates",
-    "ModelRoles",
-    "RunResult",
-    "SFVI",
-    "SFVIAvg",
-    "SFVIParams",
-    "FederatedState",
-    "SGLDState",
-    "SiloData",
-    "analyze",
-    "annealed_step_size",
-    "expfam",
-    "compare",
+    # marking an ordinary model
     "federate",
-    "fit_centralized",
-    "fit_independent",
-    "fit_surrogates",
-    "format_compare",
-    "server_log_density",
+    "silo_plate",
+    "vertical",
+    "contribution",
+    "augment",
+    # data
+    "FederatedData",
+    "VerticalData",
+    # variational families
+    "AutoStructured",
+    "AutoMeanField",
+    "AutoAmortized",
+    "VerticalFamily",
+    # the contract and the algorithms as pure factories
+    "FederatedAlgorithm",
+    "SiloData",
     "sfvi",
     "sfvi_avg",
-    "sgld_diagnostics",
-    "silo_log_density",
-    "silo_plate",
-    "split_dirichlet",
-    "split_iid",
-    "split_label_skew",
-    "to_arviz",
-    "AugmentedModel",
-    "RowIndexMismatchError",
-    "VerticalData",
-    "VerticalFamily",
-    "VerticalModelError",
-    "VerticalParams",
+    "pvi",
+    "fedgvi",
+    "fsgld",
+    "dsgld",
+    "vertical_sfvi",
+    # what users instantiate, and what they return
+    "SFVI",
+    "SFVIAvg",
+    "PVI",
+    "FedGVI",
     "VerticalSFVI",
-    "augment",
-    "contribution",
-    "likelihood_dependencies",
-    "vertical",
+    "FSGLD",
+    "DSGLD",
+    "FederatedState",
+    "RunResult",
+    "fit_surrogates",
+    # checking results
+    "to_arviz",
+    "compare",
+    "format_compare",
+    # errors
+    "InvalidCavity",
+    "VerticalModelError",
 ]

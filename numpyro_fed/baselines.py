@@ -74,7 +74,7 @@ def fit_independent(
         ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
         >>> fed = nf.federate(model, silos="data")
         >>> data = nf.FederatedData.from_groups([0, 0, 1, 1], y=jnp.array([1.0, 1, 4, 4]))
-        >>> fits = nf.fit_independent(fed, nf.AutoStructured, optax.adam(0.05), data,
+        >>> fits = nf.baselines.fit_independent(fed, nf.AutoStructured, optax.adam(0.05), data,
         ...                           jax.random.key(0), 1500)
         >>> [round(float(f.params.eta_global["loc"][0]), 1) for f in fits]
         [1.0, 4.0]

@@ -405,7 +405,7 @@ def split_iid(
 
         >>> import numpy as np
         >>> import numpyro_fed as nf
-        >>> np.bincount(nf.split_iid(537, 2, sizes=[300, 237])).tolist()
+        >>> np.bincount(nf.data.split_iid(537, 2, sizes=[300, 237])).tolist()
         [300, 237]
     """
     _check_num_silos(num_silos)
@@ -447,7 +447,7 @@ def split_label_skew(
 
         >>> import numpy as np
         >>> import numpyro_fed as nf
-        >>> ids = nf.split_label_skew(np.repeat([0, 1], 50), 2, dominant=0.8)
+        >>> ids = nf.data.split_label_skew(np.repeat([0, 1], 50), 2, dominant=0.8)
         >>> np.bincount(ids).tolist(), int(np.sum(ids[:50] == 0))
         ([50, 50], 40)
     """
@@ -511,7 +511,7 @@ def split_dirichlet(
 
         >>> import numpy as np
         >>> import numpyro_fed as nf
-        >>> ids = nf.split_dirichlet(np.arange(100) % 4, 3, alpha=0.5, seed=1)
+        >>> ids = nf.data.split_dirichlet(np.arange(100) % 4, 3, alpha=0.5, seed=1)
         >>> len(ids), bool(np.bincount(ids, minlength=3).min() >= 1)
         (100, True)
     """

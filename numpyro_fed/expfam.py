@@ -28,6 +28,7 @@ __all__ = [
     "from_loc_scale",
     "from_moments",
     "gaussian_prior",
+    "grad_log_density",
     "is_full",
     "is_valid",
     "kl",
@@ -179,6 +180,26 @@ def log_density(nat: GaussianNat, u: jax.Array, normalized: bool = True) -> jax.
     """:math:`\\log t(u)`, minus :math:`A(\\eta)` when ``normalized``."""
     value = _quadratic(nat, u)
     return value - log_normalizer(nat) if normalized else value
+
+
+def grad_log_density(nat: GaussianNat, u: jax.Array) -> jax.Array:
+    """:math:`\\nabla_u \\log t(u) = h - \\Lambda u`: one matrix-vector product (an
+    elementwise one for a diagonal factor). With a leading axis on ``nat`` (factors
+    stacked by silo), one gradient per factor.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import jax.numpy as jnp
+        >>> from numpyro_fed.expfam import GaussianNat, grad_log_density
+        >>> t = GaussianNat(h=jnp.array([1.0]), prec=jnp.array([2.0]))
+        >>> grad_log_density(t, jnp.ones(1)).tolist()
+        [-1.0]
+    """
+    if is_full(nat):
+        return nat.h - jnp.einsum("...ij,j->...i", nat.prec, u)
+    return nat.h - nat.prec * u
 
 
 def expected_log_factor(nat: GaussianNat, q: GaussianNat) -> jax.Array:

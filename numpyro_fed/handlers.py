@@ -54,7 +54,7 @@ class silo_plate(numpyro.plate):
         ...     mu = numpyro.sample("mu", dist.Normal(0, 1))
         ...     with nf.silo_plate("data", y.shape[0]):
         ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
-        >>> nf.analyze(model, nf.FederatedData.from_groups([0, 0, 1], y=jnp.ones(3))).silo_plate
+        >>> nf.partition.analyze(model, nf.FederatedData.from_groups([0, 0, 1], y=jnp.ones(3))).silo_plate
         'data'
     """
 

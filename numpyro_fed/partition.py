@@ -159,7 +159,7 @@ def analyze(model: Callable, data: Any, *args: Any, **kwargs: Any) -> ModelRoles
         ...     with numpyro.plate("data", y.shape[0]):
         ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
         >>> data = nf.FederatedData.from_groups([0, 1, 1], y=jnp.ones(3))
-        >>> roles = nf.analyze(nf.federate(model, silos="data"), data)
+        >>> roles = nf.partition.analyze(nf.federate(model, silos="data"), data)
         >>> roles.global_sites, roles.observed_sites
         (('mu',), ('y',))
     """

@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from numpyro_fed.expfam import GaussianNat, grad_log_density
 from numpyro_fed.potentials import FederatedPotential, federated_potential
-from numpyro_fed.surrogates import GaussianSurrogates, check_surrogates, surrogate_grad
+from numpyro_fed.surrogates import check_surrogates
 
 __all__ = [
     "GradientVariance",
@@ -114,7 +115,7 @@ def _grid_statistic(
 
 
 def epsilon_squared(
-    model: Callable, data: Any, surrogates: GaussianSurrogates, thetas: Any
+    model: Callable, data: Any, surrogates: GaussianNat, thetas: Any
 ) -> jax.Array:
     r"""
     Lemma 2's statistic on a grid: for each silo :math:`s` and point :math:`\theta`,
@@ -131,7 +132,7 @@ def epsilon_squared(
 
     :param callable model: a federated model without local latent sites.
     :param FederatedData data: the silos' data.
-    :param GaussianSurrogates surrogates: the :math:`q_s`.
+    :param GaussianNat surrogates: the :math:`q_s`, stacked by silo.
     :param thetas: ``(G, D)`` flattened unconstrained global positions.
     :return: ``(J, G)`` values.
 
@@ -148,18 +149,18 @@ def epsilon_squared(
         ...     with nf.silo_plate("data", x.shape[0]):
         ...         numpyro.sample("x", dist.Normal(theta, 1), obs=x)
         >>> data = nf.FederatedData.from_groups([0, 0, 1], x=jnp.array([0.0, 2, 5]))
-        >>> q = nf.GaussianSurrogates(jnp.array([[2.0], [1.0]]), jnp.array([[2.0], [5.0]]))
+        >>> q = nf.expfam.GaussianNat(
+        ...     h=jnp.array([[2.0], [5.0]]), prec=jnp.array([[2.0], [1.0]])
+        ... )
         >>> epsilon_squared(model, data, q, jnp.array([[0.0], [3.0]])).tolist()
         [[1.0, 1.0], [0.0, 0.0]]
     """
     pot = federated_potential(model, data)
     check_surrogates(surrogates, data.num_silos, pot.global_dim)
-    s = GaussianSurrogates(
-        jnp.asarray(surrogates.precision), jnp.asarray(surrogates.shift)
-    )
+    s = jax.tree.map(jnp.asarray, surrogates)
 
     def stat(theta, g, mask, sizes):
-        own = surrogate_grad(s, theta) / sizes[:, None]  # (J, D)
+        own = grad_log_density(s, theta) / sizes[:, None]  # (J, D)
         sq = jnp.sum((g - own[:, None]) ** 2, -1)
         return jnp.sum(jnp.where(mask, sq, 0.0), 1) / sizes
 
@@ -276,9 +277,8 @@ def gradient_variance(kernel: Any, data: Any, theta: Any) -> GradientVariance:
             kappa = 1.0 if cfg.replace else (n - m) / jnp.maximum(n - 1, 1)
             within = jnp.sum(n**2 / m * kappa * w / f)
         drift = g_silo / f[:, None]
-        if cfg.surrogates is not None:
-            chain = GaussianSurrogates(cfg.surrogates.precision, cfg.surrogates.shift)
-            drift = drift + surrogate_grad(chain, theta)  # + alpha g_s
+        if cfg.conducive is not None:
+            drift = drift + grad_log_density(cfg.conducive, theta)  # + alpha g_s
         between = jnp.sum(f * jnp.sum((drift - g_all) ** 2, -1))
         return GradientVariance(prior + g_all, within, between, within + between)
 

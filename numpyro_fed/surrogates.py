@@ -5,22 +5,24 @@
 FSGLD (El Mekkaoui et al., §3.1) needs, for every silo :math:`s`, a tractable
 :math:`q_s(\\theta) \\approx p(x_s \\mid \\theta)` of the silo's likelihood of the
 global sites, fitted once on the silo. A Gaussian :math:`q_s = \\mathcal N(\\mu_s,
-\\Lambda_s^{-1})` is kept as natural parameters :math:`(\\Lambda_s, h_s =
-\\Lambda_s \\mu_s)`, so the product :math:`q = \\prod_s q_s` is a sum and
+\\Lambda_s^{-1})` is kept as natural parameters, an
+:class:`~numpyro_fed.expfam.GaussianNat` :math:`(h_s = \\Lambda_s \\mu_s,
+\\Lambda_s)` stacked by silo, so the product :math:`q = \\prod_s q_s` is a sum and
 
 .. math::
 
     \\nabla \\log q_s(\\theta) = h_s - \\Lambda_s \\theta
 
-costs one matrix-vector product (one elementwise product for a diagonal precision),
-whatever the number of silos. :math:`\\theta` is the flattened unconstrained global
-position of :class:`~numpyro_fed.potentials.FederatedPotential`. A silo with local
-latent sites fits a Gaussian to its joint local likelihood of :math:`(z_G, z_{L_s})`
-and keeps the marginal of :math:`z_G`, which approximates
+(:func:`~numpyro_fed.expfam.grad_log_density`) costs one matrix-vector product (one
+elementwise product for a diagonal precision), whatever the number of silos.
+:math:`\\theta` is the flattened unconstrained global position of
+:class:`~numpyro_fed.potentials.FederatedPotential`. A silo with local latent sites
+fits a Gaussian to its joint local likelihood of :math:`(z_G, z_{L_s})` and keeps the
+marginal of :math:`z_G`, which approximates
 :math:`p(x_s \\mid z_G) = \\int p(x_s, z_{L_s} \\mid z_G)\\, dz_{L_s}`.
 """
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 import warnings
 
 import jax
@@ -29,101 +31,24 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from numpyro_fed.expfam import GaussianNat
 from numpyro_fed.potentials import FederatedPotential, federated_potential
 
-__all__ = [
-    "GaussianSurrogates",
-    "check_surrogates",
-    "fit_surrogates",
-    "gaussian_surrogates",
-    "surrogate_grad",
-    "surrogate_moments",
-    "surrogate_product",
-]
+__all__ = ["check_surrogates", "fit_surrogates"]
 
 _METHODS = ("laplace", "sgld", "vi", "taylor")
 # Relative gradient norm at which the Laplace fit has reached its mode.
 _LAPLACE_TOL = 1e-8
 
 
-class GaussianSurrogates(NamedTuple):
-    """Gaussian surrogates :math:`q_s(\\theta) = \\mathcal N(\\mu_s, \\Lambda_s^{-1})`
-    of the silos' likelihoods, as natural parameters stacked by silo.
-
-    - **precision** - :math:`\\Lambda_s`: ``(S, D, D)`` (full) or ``(S, D)`` (diagonal).
-    - **shift** - :math:`h_s = \\Lambda_s \\mu_s`: ``(S, D)``.
-
-    Without the leading silo axis (``(D, D)`` or ``(D,)``, and ``(D,)``) the same
-    tuple holds one Gaussian, e.g. the product :func:`surrogate_product`.
-    """
-
-    precision: jax.Array
-    shift: jax.Array
-
-
-def _diagonal(s: GaussianSurrogates) -> bool:
-    return jnp.ndim(s.precision) == jnp.ndim(s.shift)
-
-
-def gaussian_surrogates(mean: Any, cov: Any) -> GaussianSurrogates:
-    """
-    Surrogates from moments: ``mean`` ``(S, D)`` and ``cov`` ``(S, D, D)`` (full) or
-    ``(S, D)`` (diagonal variances).
-
-    **Example:**
-
-    .. doctest::
-
-        >>> import numpy as np
-        >>> from numpyro_fed.surrogates import gaussian_surrogates, surrogate_moments
-        >>> s = gaussian_surrogates(np.array([[1.0, 2.0]]), np.array([[0.5, 0.25]]))
-        >>> s.precision.tolist(), s.shift.tolist()
-        ([[2.0, 4.0]], [[2.0, 8.0]])
-        >>> surrogate_moments(s)[0].tolist()
-        [[1.0, 2.0]]
-    """
-    mean, cov = jnp.asarray(mean), jnp.asarray(cov)
-    if mean.ndim != 2 or cov.shape[:2] != mean.shape or cov.ndim not in (2, 3):
-        raise ValueError(
-            f"mean must be (S, D) and cov (S, D) or (S, D, D); got {mean.shape} and "
-            f"{cov.shape}."
-        )
-    if cov.ndim == 2:
-        precision = 1.0 / cov
-        return GaussianSurrogates(precision, precision * mean)
-    precision = jnp.linalg.inv(cov)
-    return GaussianSurrogates(precision, jnp.einsum("sij,sj->si", precision, mean))
-
-
-def surrogate_moments(s: GaussianSurrogates) -> tuple[jax.Array, jax.Array]:
-    """``(mean, cov)`` of surrogates (``cov`` holds variances when diagonal)."""
-    if _diagonal(s):
-        return s.shift / s.precision, 1.0 / s.precision
-    cov = jnp.linalg.inv(s.precision)
-    return jnp.einsum("...ij,...j->...i", cov, s.shift), cov
-
-
-def surrogate_product(s: GaussianSurrogates) -> GaussianSurrogates:
-    """:math:`q = \\prod_s q_s`: natural parameters add (no silo axis in the result)."""
-    return GaussianSurrogates(jnp.sum(s.precision, 0), jnp.sum(s.shift, 0))
-
-
-def surrogate_grad(s: GaussianSurrogates, theta: jax.Array) -> jax.Array:
-    """:math:`\\nabla_\\theta \\log q(\\theta) = h - \\Lambda \\theta` of one Gaussian
-    (or of each silo's, with a leading silo axis)."""
-    if _diagonal(s):
-        return s.shift - s.precision * theta
-    return s.shift - jnp.einsum("...ij,j->...i", s.precision, theta)
-
-
 def check_surrogates(
-    s: GaussianSurrogates, num_silos: int | None = None, dim: int | None = None
-) -> GaussianSurrogates:
+    s: GaussianNat, num_silos: int | None = None, dim: int | None = None
+) -> GaussianNat:
     """
     Validate surrogates: shapes, finite values and a positive-definite precision for
     every silo.
 
-    :param GaussianSurrogates s: the surrogates.
+    :param GaussianNat s: the surrogates, stacked by silo.
     :param int num_silos: the expected number of silos.
     :param int dim: the expected dimension of the flattened global position.
     :return: ``s``, unchanged.
@@ -134,25 +59,26 @@ def check_surrogates(
     .. doctest::
 
         >>> import numpy as np
-        >>> from numpyro_fed.surrogates import GaussianSurrogates, check_surrogates
-        >>> bad = GaussianSurrogates(np.array([[1.0], [-2.0]]), np.zeros((2, 1)))
+        >>> from numpyro_fed.expfam import GaussianNat
+        >>> from numpyro_fed.surrogates import check_surrogates
+        >>> bad = GaussianNat(h=np.zeros((2, 1)), prec=np.array([[1.0], [-2.0]]))
         >>> check_surrogates(bad)
         Traceback (most recent call last):
         ...
         ValueError: The surrogate of silo 1 has a precision that is not positive definite (smallest eigenvalue -2); ...
     """
-    if not isinstance(s, GaussianSurrogates):
+    if not isinstance(s, GaussianNat):
         raise TypeError(
-            "surrogates must be a GaussianSurrogates (from nf.fit_surrogates); got "
-            f"{type(s).__name__}."
+            "surrogates must be an expfam.GaussianNat stacked by silo (from "
+            f"nf.fit_surrogates); got {type(s).__name__}."
         )
-    precision, shift = np.asarray(s.precision), np.asarray(s.shift)
+    precision, shift = np.asarray(s.prec), np.asarray(s.h)
     if shift.ndim != 2 or precision.shape not in (
         shift.shape,
         shift.shape + shift.shape[1:],
     ):
         raise ValueError(
-            "surrogates need shift (S, D) and precision (S, D) or (S, D, D); got "
+            "surrogates need h (S, D) and prec (S, D) or (S, D, D); got "
             f"{shift.shape} and {precision.shape}."
         )
     if num_silos is not None and shift.shape[0] != num_silos:
@@ -429,7 +355,7 @@ def fit_surrogates(
     num_particles: int = 8,
     init_params: dict | None = None,
     silo_batch_size: int | None = None,
-) -> GaussianSurrogates:
+) -> GaussianNat:
     """
     Fit one Gaussian :math:`q_s` per silo to the silo's likelihood of the global
     sites, each on its own data only (El Mekkaoui et al., §3.1); only the natural
@@ -492,7 +418,8 @@ def fit_surrogates(
     :param int silo_batch_size: silos fitted at once (default: all, in one
         :func:`jax.vmap`); a smaller batch bounds the memory a large silo's Hessian
         or Langevin chain takes, at no change to the result.
-    :rtype: GaussianSurrogates
+    :return: the natural parameters :math:`(h_s, \\Lambda_s)`, stacked by silo.
+    :rtype: ~numpyro_fed.expfam.GaussianNat
     :raises ValueError: for an unknown method or covariance, a missing step size, or
         a fitted surrogate that is not a valid Gaussian (naming the silo).
 
@@ -509,8 +436,8 @@ def fit_surrogates(
         ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
         >>> data = nf.FederatedData.from_groups([0, 0, 1], y=jnp.array([1.0, 2, 4]))
         >>> q = nf.fit_surrogates(model, data, method="laplace")
-        >>> [np.asarray(a, float).ravel().round(3).tolist() for a in q]
-        [[2.0, 1.0], [3.0, 4.0]]
+        >>> q.prec.ravel().round(3).tolist(), q.h.ravel().round(3).tolist()
+        ([2.0, 1.0], [3.0, 4.0])
     """
     if method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}.")
@@ -606,4 +533,4 @@ def fit_surrogates(
         )(inputs)
     if method == "laplace":
         _warn_unconverged(np.asarray(gnorm), np.asarray(improper), num_steps)
-    return check_surrogates(GaussianSurrogates(prec, shift), data.num_silos, dim)
+    return check_surrogates(GaussianNat(shift, prec), data.num_silos, dim)

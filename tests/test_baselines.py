@@ -24,7 +24,7 @@ def test_independent_fits_are_each_silos_own_posterior():
     y = jnp.asarray(np.random.default_rng(1).normal(size=12) + np.repeat([0.0, 3.0], 6))
     data = nf.FederatedData.from_groups(np.repeat([0, 1], 6), y=y)
     fed = nf.federate(_normal_mean, silos="data")
-    fits = nf.fit_independent(
+    fits = nf.baselines.fit_independent(
         fed, nf.AutoMeanField, optax.adam(0.02), data, jax.random.key(0), 3000
     )
     for j, fit in enumerate(fits):
@@ -39,7 +39,7 @@ def test_independent_fits_are_each_silos_own_posterior():
 def test_centralized_fit_uses_the_pooled_data():
     data = nf.FederatedData.from_groups(np.arange(40) % 3, **m.logistic_data())
     fed = nf.federate(m.logistic, silos="data")
-    result = nf.fit_centralized(
+    result = nf.baselines.fit_centralized(
         fed, nf.AutoStructured(fed), optax.adam(0.05), data, jax.random.key(0), 300
     )
     assert result.params["_fed_global_loc"].shape == (3,)

@@ -32,7 +32,7 @@ def test_silo_terms_sum_to_pooled_log_joint(name, num_silos, pad_to):
         pad_to=max(pad_to or 0, units) if pad_to else None,
         **arrays,
     )
-    roles = nf.analyze(fed, data)
+    roles = nf.partition.analyze(fed, data)
     # One joint draw from the prior of the pooled model (values and params).
     pooled = data.pooled()
     tr = handlers.trace(handlers.seed(fed, jax.random.key(5))).get_trace(**pooled)
@@ -43,7 +43,7 @@ def test_silo_terms_sum_to_pooled_log_joint(name, num_silos, pad_to):
     }
     expected, _ = log_density(fed, (), pooled, values)
 
-    server = nf.server_log_density(fed, plate, data_template(data.silo(0)), values)
+    server = nf.densities.server_log_density(fed, plate, data_template(data.silo(0)), values)
     total = server
     for j in range(data.num_silos):
         silo_values = dict(values)
@@ -51,7 +51,7 @@ def test_silo_terms_sum_to_pooled_log_joint(name, num_silos, pad_to):
             stacked = data.scatter_units(values[site])
             silo_values[site] = stacked[j]
         arrays_j = {k: v[j] for k, v in data.arrays.items()}
-        total = total + nf.silo_log_density(
+        total = total + nf.densities.silo_log_density(
             fed, plate, arrays_j, data.mask[j], silo_values
         )
     np.testing.assert_allclose(total, expected, rtol=1e-12)

@@ -20,8 +20,8 @@ def _data(n=6, silos=2):
 
 def test_roles_of_hierarchical_model():
     data = nf.FederatedData.from_groups(np.arange(7) % 3, **m.hierarchical_data())
-    roles = nf.analyze(nf.federate(m.hierarchical, silos="group"), data)
-    assert roles == nf.ModelRoles(
+    roles = nf.partition.analyze(nf.federate(m.hierarchical, silos="group"), data)
+    assert roles == nf.partition.ModelRoles(
         silo_plate="group",
         silo_dim=-2,
         silo_size=7,
@@ -34,7 +34,7 @@ def test_roles_of_hierarchical_model():
 
 def test_roles_of_flat_regression():
     data = nf.FederatedData.from_groups(np.arange(40) % 4, **m.logistic_data())
-    roles = nf.analyze(nf.federate(m.logistic, silos="data"), data)
+    roles = nf.partition.analyze(nf.federate(m.logistic, silos="data"), data)
     assert (roles.global_sites, roles.local_sites, roles.silo_dim) == (
         ("beta",),
         (),
@@ -49,12 +49,12 @@ def test_model_without_silo_plate():
             numpyro.sample("y", dist.Normal(mu), obs=y)
 
     with pytest.raises(ValueError, match="no silo plate.*'data'"):
-        nf.analyze(model, _data())
+        nf.partition.analyze(model, _data())
 
 
 def test_plate_name_not_found():
     with pytest.raises(ValueError, match="no plate named 'rows'.*'group'"):
-        nf.analyze(
+        nf.partition.analyze(
             nf.federate(m.hierarchical, silos="rows"),
             nf.FederatedData.from_groups(np.arange(7) % 2, **m.hierarchical_data()),
         )
@@ -70,7 +70,7 @@ def test_plate_sized_not_from_data():
             numpyro.sample("y", dist.Normal(mu), obs=y)
 
     with pytest.raises(ValueError, match="'school' has size 6.*holds 3 units"):
-        nf.analyze(model, _data())
+        nf.partition.analyze(model, _data())
 
 
 def test_global_depends_on_local():
@@ -81,7 +81,7 @@ def test_global_depends_on_local():
         numpyro.sample("g", dist.Normal(z.sum()))
 
     with pytest.raises(ValueError, match="Global site 'g' depends on local site.*'z'"):
-        nf.analyze(model, _data())
+        nf.partition.analyze(model, _data())
 
 
 def test_discrete_latent():
@@ -91,7 +91,7 @@ def test_discrete_latent():
             numpyro.sample("y", dist.Normal(k), obs=y)
 
     with pytest.raises(ValueError, match="'k' is discrete"):
-        nf.analyze(model, _data())
+        nf.partition.analyze(model, _data())
 
 
 def test_observed_outside_silo_plate():
@@ -102,7 +102,7 @@ def test_observed_outside_silo_plate():
             numpyro.sample("y", dist.Normal(mu), obs=y)
 
     with pytest.raises(ValueError, match="Observed site 'total' lies outside"):
-        nf.analyze(model, _data())
+        nf.partition.analyze(model, _data())
 
 
 def test_federate_needs_a_plate_name():

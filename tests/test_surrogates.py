@@ -15,14 +15,8 @@ import numpyro.distributions as dist
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed.surrogates import (
-    GaussianSurrogates,
-    check_surrogates,
-    gaussian_surrogates,
-    surrogate_grad,
-    surrogate_moments,
-    surrogate_product,
-)
+from numpyro_fed.expfam import GaussianNat, from_moments, grad_log_density, to_moments
+from numpyro_fed.surrogates import check_surrogates
 from tests import _models as m
 
 
@@ -49,16 +43,16 @@ def test_t13_laplace_is_exact_on_gaussian_silos(blobs, covariance):
     for s, x in enumerate(xs):
         n = len(x)
         expected = n * np.eye(2) if covariance == "full" else np.full(2, n)
-        np.testing.assert_allclose(q.precision[s], expected, rtol=1e-8, atol=1e-8)
-        np.testing.assert_allclose(q.shift[s], x.sum(0), rtol=1e-8)  # N_s xbar_s
+        np.testing.assert_allclose(q.prec[s], expected, rtol=1e-8, atol=1e-8)
+        np.testing.assert_allclose(q.h[s], x.sum(0), rtol=1e-8)  # N_s xbar_s
     q = nf.fit_surrogates(blob_model, data, prior_power=0.5)
-    np.testing.assert_allclose(q.precision[0], (50 + 0.5 * 0.2) * np.eye(2), rtol=1e-8)
+    np.testing.assert_allclose(q.prec[0], (50 + 0.5 * 0.2) * np.eye(2), rtol=1e-8)
     # a concave log target: the start does not matter
     far = nf.fit_surrogates(
         blob_model, data, init_params={"theta": jnp.array([9.0, -9.0])}
     )
     exact = nf.fit_surrogates(blob_model, data)
-    np.testing.assert_allclose(far.shift, exact.shift, rtol=1e-8)
+    np.testing.assert_allclose(far.h, exact.h, rtol=1e-8)
     with pytest.raises(
         ValueError, match=r"init_params lacks the global site\(s\) \['theta'\]"
     ):
@@ -76,8 +70,8 @@ def test_t13_laplace_with_local_latents_is_the_exact_marginal_likelihood():
     w = 1 / (1.0 + 0.7**2 / 4)
     for s in range(3):
         ybar = y[groups == s].mean(1)
-        np.testing.assert_allclose(q.precision[s], [[w * len(ybar)]], rtol=1e-8)
-        np.testing.assert_allclose(q.shift[s], [w * ybar.sum()], rtol=1e-8)
+        np.testing.assert_allclose(q.prec[s], [[w * len(ybar)]], rtol=1e-8)
+        np.testing.assert_allclose(q.h[s], [w * ybar.sum()], rtol=1e-8)
 
 
 def test_t13_local_sgld_moment_matching_within_monte_carlo_error(blobs):
@@ -101,7 +95,7 @@ def _assert_ula_moments(q, xs, h, draws, thinning):
     """The surrogates' moments against ULA's stationary law on each silo's
     N(xbar, 1/lam) within 5 Monte Carlo standard errors; returns the effective
     sample sizes."""
-    mean, var = surrogate_moments(q)
+    mean, var = jax.vmap(to_moments)(q)
     sizes = []
     for s, x in enumerate(xs):
         lam = len(x)
@@ -149,7 +143,7 @@ def test_t13_vi_recovers_gaussian_silos(blobs, covariance):
         num_steps=3000,
         learning_rate=1e-2,
     )
-    mean, cov = surrogate_moments(q)
+    mean, cov = jax.vmap(to_moments)(q)
     for s, x in enumerate(xs):
         sd = 1 / np.sqrt(len(x))  # the exact optimum is N(xbar_s, I / N_s)
         assert np.all(np.abs(mean[s] - x.mean(0)) < 0.05 * sd)
@@ -162,48 +156,49 @@ def test_natural_parameter_algebra():
     a = rng.normal(size=(3, 4, 4))
     cov = a @ a.transpose(0, 2, 1) + np.eye(4)
     mean = rng.normal(size=(3, 4))
-    q = gaussian_surrogates(mean, cov)
-    back_mean, back_cov = surrogate_moments(q)
+    q = jax.vmap(from_moments)(jnp.asarray(mean), jnp.asarray(cov))
+    back_mean, back_cov = jax.vmap(to_moments)(q)
     np.testing.assert_allclose(back_mean, mean, rtol=1e-9)
     np.testing.assert_allclose(back_cov, cov, rtol=1e-9)
-    prod = surrogate_product(q)
-    np.testing.assert_allclose(prod.precision, np.linalg.inv(cov).sum(0), rtol=1e-10)
+    prod = jax.tree.map(lambda x: x.sum(0), q)  # natural parameters add
+    np.testing.assert_allclose(prod.prec, np.linalg.inv(cov).sum(0), rtol=1e-10)
     theta = jnp.asarray(rng.normal(size=4))
     for s in range(3):
         log_q = lambda t, s=s: dist.MultivariateNormal(mean[s], cov[s]).log_prob(t)
         np.testing.assert_allclose(
-            surrogate_grad(q, theta)[s], jax.grad(log_q)(theta), rtol=1e-9
+            grad_log_density(q, theta)[s], jax.grad(log_q)(theta), rtol=1e-9
         )
     log_prod = lambda t: sum(
         dist.MultivariateNormal(mean[s], cov[s]).log_prob(t) for s in range(3)
     )
     np.testing.assert_allclose(
-        surrogate_grad(prod, theta), jax.grad(log_prod)(theta), rtol=1e-9
+        grad_log_density(prod, theta), jax.grad(log_prod)(theta), rtol=1e-9
     )
-    diag = gaussian_surrogates(mean, np.ones((3, 4)) * 2.0)
-    np.testing.assert_allclose(surrogate_grad(diag, theta), (mean - theta) / 2.0)
+    diag = jax.vmap(from_moments)(jnp.asarray(mean), jnp.full((3, 4), 2.0))
+    np.testing.assert_allclose(grad_log_density(diag, theta), (mean - theta) / 2.0)
 
 
 def test_invalid_surrogates_and_settings_raise_clear_errors(blobs):
     _, data = blobs
-    ok = GaussianSurrogates(jnp.ones((2, 3)), jnp.zeros((2, 3)))
+    ok = GaussianNat(h=jnp.zeros((2, 3)), prec=jnp.ones((2, 3)))
     with pytest.raises(ValueError, match="silo 1 has a precision that is not positive"):
-        check_surrogates(ok._replace(precision=ok.precision.at[1, 2].set(0.0)))
-    full = GaussianSurrogates(
-        jnp.stack([jnp.eye(2), jnp.diag(jnp.array([1.0, -1.0]))]), jnp.zeros((2, 2))
+        check_surrogates(ok._replace(prec=ok.prec.at[1, 2].set(0.0)))
+    full = GaussianNat(
+        h=jnp.zeros((2, 2)),
+        prec=jnp.stack([jnp.eye(2), jnp.diag(jnp.array([1.0, -1.0]))]),
     )
     with pytest.raises(ValueError, match="silo 1 has a precision that is not positive"):
         check_surrogates(full)
-    asym = full._replace(precision=full.precision.at[0, 0, 1].set(0.5))
+    asym = full._replace(prec=full.prec.at[0, 0, 1].set(0.5))
     with pytest.raises(ValueError, match="silo 0 has a non-symmetric precision"):
         check_surrogates(asym)
     with pytest.raises(ValueError, match="silo 0 has non-finite"):
-        check_surrogates(ok._replace(shift=ok.shift.at[0, 0].set(jnp.nan)))
+        check_surrogates(ok._replace(h=ok.h.at[0, 0].set(jnp.nan)))
     with pytest.raises(ValueError, match="surrogates for 2 silos but the data hold 3"):
         check_surrogates(ok, num_silos=3)
-    with pytest.raises(ValueError, match="shift"):
-        check_surrogates(GaussianSurrogates(jnp.ones(3), jnp.zeros(3)))
-    with pytest.raises(TypeError, match="GaussianSurrogates"):
+    with pytest.raises(ValueError, match="need h"):
+        check_surrogates(GaussianNat(h=jnp.zeros(3), prec=jnp.ones(3)))
+    with pytest.raises(TypeError, match="GaussianNat"):
         check_surrogates((jnp.ones((2, 3)), jnp.zeros((2, 3))))
     with pytest.raises(ValueError, match="method must be one of"):
         nf.fit_surrogates(blob_model, data, method="ep")
@@ -248,7 +243,7 @@ def test_rank_deficient_local_likelihood_is_reported_and_prior_power_fixes_it():
         nf.fit_surrogates(regression, data)
     q = nf.fit_surrogates(regression, data, prior_power=0.5)
     x = X[3]
-    np.testing.assert_allclose(q.precision[1], np.outer(x, x) + 0.5 / 4 * np.eye(2))
+    np.testing.assert_allclose(q.prec[1], np.outer(x, x) + 0.5 / 4 * np.eye(2))
 
 
 @pytest.mark.parametrize("covariance", ["full", "diag"])
@@ -263,8 +258,8 @@ def test_taylor_is_exact_on_gaussian_silos_from_any_point(blobs, covariance):
             covariance=covariance,
             init_params={"theta": jnp.array(point)},
         )
-        np.testing.assert_allclose(q.precision, exact.precision, rtol=1e-10)
-        np.testing.assert_allclose(q.shift, exact.shift, rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(q.prec, exact.prec, rtol=1e-10)
+        np.testing.assert_allclose(q.h, exact.h, rtol=1e-10, atol=1e-10)
 
 
 def logistic_model(X, y):
@@ -320,7 +315,7 @@ def test_taylor_matches_the_silo_gradient_and_curvature_at_the_point(covariance)
 
             grad = jax.grad(silo)(point)
             np.testing.assert_allclose(
-                surrogate_grad(GaussianSurrogates(q.precision[s], q.shift[s]), point),
+                grad_log_density(GaussianNat(q.h[s], q.prec[s]), point),
                 grad,
                 rtol=1e-10,
                 atol=1e-12,
@@ -329,13 +324,11 @@ def test_taylor_matches_the_silo_gradient_and_curvature_at_the_point(covariance)
             eig = np.linalg.eigvalsh(hess)
             if model is logistic_model:  # concave: no clipping
                 expected = hess if covariance == "full" else np.diag(hess)
-                np.testing.assert_allclose(q.precision[s], expected, rtol=1e-10)
+                np.testing.assert_allclose(q.prec[s], expected, rtol=1e-10)
             else:  # 6 scales away a Student-t log-likelihood curves the wrong way
                 assert eig.max() < 0
                 prec = (
-                    q.precision[s]
-                    if covariance == "diag"
-                    else np.linalg.eigvalsh(q.precision[s])
+                    q.prec[s] if covariance == "diag" else np.linalg.eigvalsh(q.prec[s])
                 )
                 assert np.all(prec > 0)
 
@@ -360,9 +353,9 @@ def test_laplace_on_a_nonconvex_target_warns_and_stays_proper():
     for s, ys in enumerate((y[:3], y[3:])):
         precision = 4 * ys.sum() - 1.0
         mode = np.sqrt(ys.mean() - 0.25 / len(ys))
-        np.testing.assert_allclose(q.precision[s], [[precision]], rtol=1e-10)
+        np.testing.assert_allclose(q.prec[s], [[precision]], rtol=1e-10)
         # either of the two modes +-mode (the first accepted step crosses zero)
-        np.testing.assert_allclose(np.abs(q.shift[s]), [precision * mode], rtol=1e-10)
+        np.testing.assert_allclose(np.abs(q.h[s]), [precision * mode], rtol=1e-10)
 
     # One step from mu = 0.5: silo 0's Newton step goes uphill and is refused, and
     # its curvature there is 3 (6 mu^2 - 2 ybar) + 0.5 = -19: clipped to the floor.
@@ -374,6 +367,6 @@ def test_laplace_on_a_nonconvex_target_warns_and_stays_proper():
     assert "stopped before a mode on silo(s) [0, 1]" in message
     assert "num_steps=1" in message
     assert "On silo(s) [0] the fit ends where the target curves down" in message
-    np.testing.assert_allclose(q.precision[0], [[19e-8]], rtol=1e-6)
-    np.testing.assert_allclose(q.shift[0], [19e-8 * 0.5], rtol=1e-6)
-    assert q.precision[1, 0, 0] > 1.0  # silo 1 is convex there: unclipped
+    np.testing.assert_allclose(q.prec[0], [[19e-8]], rtol=1e-6)
+    np.testing.assert_allclose(q.h[0], [19e-8 * 0.5], rtol=1e-6)
+    assert q.prec[1, 0, 0] > 1.0  # silo 1 is convex there: unclipped

@@ -1,54 +1,7 @@
 # Copyright Contributors to the numpyro-fed project.
 # SPDX-License-Identifier: Apache-2.0
-"""Federated inference algorithms, each a factory of pure functions plus a wrapper."""
-
-from numpyro_fed.algorithms.fedgvi import fedgvi
-from numpyro_fed.algorithms.pvi import pvi
-from numpyro_fed.algorithms.sfvi import (
-    SFVIInfo,
-    SFVIServerMessage,
-    SFVIServerState,
-    SFVISiloMessage,
-    SFVISiloState,
-    sfvi,
-)
-from numpyro_fed.algorithms.sfvi_avg import (
-    SFVIAvgServerMessage,
-    SFVIAvgServerState,
-    SFVIAvgSiloMessage,
-    SFVIAvgSiloState,
-    sfvi_avg,
-)
-from numpyro_fed.algorithms.sgld import (
-    DSGLD,
-    FSGLD,
-    CommStats,
-    SGLDState,
-    annealed_step_size,
-    fsgld,
-)
-from numpyro_fed.algorithms.vertical_sfvi import RowIndexMismatchError, vertical_sfvi
-
-__all__ = [
-    "fedgvi",
-    "CommStats",
-    "DSGLD",
-    "FSGLD",
-    "SGLDState",
-    "annealed_step_size",
-    "fsgld",
-    "pvi",
-    "SFVIAvgServerMessage",
-    "SFVIAvgServerState",
-    "SFVIAvgSiloMessage",
-    "SFVIAvgSiloState",
-    "sfvi_avg",
-    "SFVIInfo",
-    "SFVIServerMessage",
-    "SFVIServerState",
-    "SFVISiloMessage",
-    "SFVISiloState",
-    "sfvi",
-    "RowIndexMismatchError",
-    "vertical_sfvi",
-]
+"""Federated inference algorithms as pure factories, one module each, every one
+returning a :class:`~numpyro_fed.protocol.FederatedAlgorithm`: ``sfvi``,
+``sfvi_avg``, ``pvi``, ``fedgvi``, ``fsgld`` / ``dsgld`` (in ``sgld``) and
+``vertical_sfvi``. Their states and messages live in their modules; the factories
+are re-exported once, by the package face (``numpyro_fed.sfvi`` and so on)."""

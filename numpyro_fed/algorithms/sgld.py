@@ -1,13 +1,40 @@
 # Copyright Contributors to the numpyro-fed project.
 # SPDX-License-Identifier: Apache-2.0
-"""FSGLD and DSGLD: federated Langevin samplers as NumPyro MCMC kernels.
+"""FSGLD and DSGLD as pure functions: :func:`fsgld` returns a
+:class:`~numpyro_fed.FederatedAlgorithm` that any runtime drives and that the
+:class:`~numpyro_fed.FSGLD` / :class:`~numpyro_fed.DSGLD` MCMC kernels wrap.
 
-One chain travels between silos (El Mekkaoui et al., Algorithm 1): every ``tau`` steps
-the server draws the next silo :math:`c_r \\sim \\mathrm{Cat}(f)` and the silo holding
-the chain takes ``tau`` Langevin steps with the conducive-gradient estimator. The
-kernels run the pure step functions of :mod:`~numpyro_fed.algorithms.sgld_step` in one
-jitted loop; :meth:`FSGLD.run_protocol` runs the same chain as messages
-(:mod:`~numpyro_fed.algorithms.sgld_protocol`).
+One chain travels between silos (El Mekkaoui et al., Algorithm 1). Every ``tau`` steps
+the server draws the next silo :math:`c_r \\sim \\mathrm{Cat}(f)`; the silo holding
+the chain takes Langevin steps with the estimator (Eqs. 4, 5 and 7)
+
+.. math::
+
+    \\psi_s(\\theta) = \\nabla \\log p(\\theta)
+    + \\frac{N_s}{f_s m} \\nabla \\log p(x_s^{(m)} \\mid \\theta)
+    + \\alpha \\Big(\\nabla \\log q(\\theta) - \\frac{1}{f_s} \\nabla \\log q_s(\\theta)\\Big),
+
+    \\theta_{t+1} = \\theta_t + \\frac{h_t}{2} \\psi_{s_t}(\\theta_t) + \\eta_t,
+    \\qquad \\eta_t \\sim \\mathcal N(0, h_t I),
+
+and hands back its trajectory. DSGLD is :math:`\\alpha = 0`. As in BlackJAX, the
+first two terms are a plain ``(position, minibatch) -> gradient`` estimator
+(:func:`grad_estimator`) and the conducive gradient wraps it as a control variate
+(:func:`with_conducive_gradient`). Local latent sites of a silo (beyond the paper)
+move only while the chain visits that silo, with their exact gradient
+:math:`\\nabla_{z_{L_s}} \\log p(x_s, z_{L_s} \\mid z_G)` over the whole silo; the
+average dynamics is Langevin preconditioned by the visit frequencies, whose
+stationary law is the posterior as :math:`h \\to 0` when silos alternate often
+(small ``tau``).
+
+On the contract: ``select`` names the chain's silo :math:`c_r`; the server sends the
+chain (global position, step counter, key) and each silo its own index; the silo takes
+``steps_per_contact`` steps on its own data and local sites; the server moves the chain
+to the end of the trajectory and draws the next silo when the counter reaches a
+multiple of ``tau``. Step :math:`t` draws from ``fold_in(chain_key, t)`` and the chain's
+key travels with the chain: this is the contract's reproducible mode, in which every
+runtime and the MCMC kernel give the same chain draw for draw (the server could replay
+a silo's noise and minibatch choice, not its data).
 
 **References:**
 
@@ -16,387 +43,429 @@ jitted loop; :meth:`FSGLD.run_protocol` runs the same chain as messages
 2. *Distributed Stochastic Gradient MCMC*, S. Ahn, B. Shahbaba, M. Welling (ICML 2014).
 """
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from numpyro.infer.initialization import init_to_uniform
-from numpyro.infer.mcmc import MCMCKernel
-from numpyro.util import identity, is_prng_key
 
-from numpyro_fed.algorithms.sgld_protocol import (
-    CommStats,
-    FSGLDServerMessage,
-    FSGLDServerState,
-    FSGLDSiloMessage,
-    FSGLDSiloState,
-    ProtocolResult,
-    fsgld,
-    run_protocol,
-)
-from numpyro_fed.algorithms.sgld_step import (
-    ChainSurrogates,
-    SGLDConfig,
-    SGLDState,
-    annealed_step_size,
-    conducive_gradient,
-    estimator,
-    init,
-    local_step,
-    step,
-)
-from numpyro_fed.data import FederatedData
-from numpyro_fed.potentials import FederatedPotential, federated_potential
-from numpyro_fed.protocol import silo_data_of
-from numpyro_fed.surrogates import GaussianSurrogates, check_surrogates
+from numpyro_fed.expfam import GaussianNat, grad_log_density
+from numpyro_fed.potentials import FederatedPotential, batch_indices
+from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
+from numpyro_fed.util import all_finite, take, tree_where
 
 __all__ = [
-    "DSGLD",
-    "FSGLD",
-    "ChainSurrogates",
-    "CommStats",
+    "Estimator",
+    "FSGLDInfo",
     "FSGLDServerMessage",
     "FSGLDServerState",
     "FSGLDSiloMessage",
     "FSGLDSiloState",
-    "ProtocolResult",
+    "Minibatch",
     "SGLDConfig",
-    "SGLDState",
     "annealed_step_size",
+    "choose_silo",
+    "conducive_factors",
     "conducive_gradient",
-    "estimator",
-    "local_step",
+    "dsgld",
     "fsgld",
-    "init",
-    "step",
+    "grad_estimator",
+    "init_chain",
+    "silo_estimator",
+    "with_conducive_gradient",
 ]
 
 
-def _check_step_size(step_size: Any) -> Callable:
-    if callable(step_size):
-        h0 = float(step_size(jnp.zeros((), jnp.int32)))
-        if not h0 > 0:
-            raise ValueError(f"step_size(0) must be positive, got {h0}.")
-        return step_size
-    if isinstance(step_size, bool) or not np.isscalar(step_size) or not step_size > 0:
-        raise ValueError(
-            f"step_size must be a positive number or a callable t -> h_t, got {step_size!r}."
-        )
-    h = float(step_size)
-    return lambda t: jnp.asarray(h)
+class SGLDConfig(NamedTuple):
+    """Static settings of a chain (closed over by the algorithm's functions).
 
-
-def _check_probs(silo_probs: Any, num_silos: int | None = None) -> np.ndarray | None:
-    if silo_probs is None:
-        return None
-    f = np.asarray(silo_probs, dtype=float)
-    if f.ndim != 1 or not np.all(f > 0) or not abs(f.sum() - 1) < 1e-6:
-        raise ValueError(
-            "silo_probs must be positive probabilities, one per silo, summing to 1; "
-            f"got {f.tolist()} (sum {f.sum():.6g})."
-        )
-    if num_silos is not None and len(f) != num_silos:
-        raise ValueError(
-            f"silo_probs has {len(f)} entries but the data hold {num_silos} silos."
-        )
-    return f
-
-
-def pooled_model(model: Callable) -> Callable:
-    """``model`` called on ``FederatedData.pooled()``: what ArviZ and ``Predictive``
-    run with the kernel's ``(data,)`` arguments."""
-
-    def pooled(data: Any, *args: Any, **kwargs: Any) -> Any:
-        return model(*args, **kwargs, **data.pooled())
-
-    return pooled
-
-
-class FSGLD(MCMCKernel):
+    - **step_size** - callable ``t -> h_t``.
+    - **tau** - steps between silo draws.
+    - **silo_probs** - :math:`f`, ``(J,)``.
+    - **alpha** - weight of the conducive gradient (0: DSGLD).
+    - **conducive** - the conducive gradients :math:`\\alpha g_s` as factors stacked
+      by silo (:func:`conducive_factors`), or ``None`` (DSGLD: no surrogates).
+    - **batch_size** - minibatch size ``m`` per silo, or ``None`` for the whole silo.
+    - **replace** - minibatches drawn with replacement.
     """
-    Federated SGLD with conducive gradients (El Mekkaoui et al., Algorithm 1) as a
-    NumPyro :class:`~numpyro.infer.mcmc.MCMCKernel`. One MCMC sample is one Langevin
-    step; run it with ``MCMC(...).run(rng_key, data)`` on a
-    :class:`~numpyro_fed.FederatedData`, then use ``get_samples``, ``print_summary``
-    and ``arviz.from_numpyro`` as with NUTS (local sites come back in pooled order).
 
-    :param callable model: a federated model (:func:`~numpyro_fed.federate` or
-        :class:`~numpyro_fed.silo_plate`) called with the silo arrays only.
-    :param step_size: :math:`h`, a positive float, or a callable ``t -> h_t`` of the
-        global step counter (e.g. :func:`annealed_step_size`).
-    :param GaussianSurrogates surrogates: one :math:`q_s` per silo, from
-        :func:`~numpyro_fed.fit_surrogates`.
-    :param int tau: local steps per visit (Algorithm 1's :math:`T`).
-    :param silo_probs: :math:`f`, visit probabilities (default uniform).
-    :param float alpha: weight of the conducive gradient (Eq. 7).
-    :param int batch_size: minibatch size ``m`` per silo (default: the whole silo).
-    :param bool replace: draw minibatches with replacement (the authors' code).
-    :param callable init_strategy: NumPyro init strategy for the initial position.
+    step_size: Callable
+    tau: int
+    silo_probs: jax.Array
+    alpha: float
+    conducive: GaussianNat | None
+    batch_size: int | None
+    replace: bool
+
+
+class FSGLDServerState(NamedTuple):
+    """- **z_global** - unconstrained global sites (the chain's shared part).
+    - **step** - global step counter :math:`t` (steps taken so far).
+    - **silo** - :math:`c_r`, the silo holding the chain.
+    - **rng_key** - the chain's key; step :math:`t` draws from ``fold_in(rng_key, t)``.
+    """
+
+    z_global: dict
+    step: jax.Array
+    silo: jax.Array
+    rng_key: jax.Array
+
+
+class FSGLDSiloState(NamedTuple):
+    """- **z_local** - the silo's unconstrained local sites ``(P, ...)``; they never
+    leave the silo."""
+
+    z_local: dict
+
+
+class FSGLDServerMessage(NamedTuple):
+    """The broadcast part of the server's message: the chain handoff. (The routed
+    part is each silo's own index, which picks its :math:`f_s` and conducive
+    gradient.)
+
+    - **z_global** - the chain's global position.
+    - **step** - the global step counter.
+    - **rng_key** - the chain's key.
+    """
+
+    z_global: dict
+    step: jax.Array
+    rng_key: jax.Array
+
+
+class FSGLDSiloMessage(NamedTuple):
+    """Silo -> server: - **trajectory** - the global positions after each step of
+    the contact, ``(steps_per_contact, ...)`` per site."""
+
+    trajectory: dict
+
+
+class FSGLDInfo(NamedTuple):
+    """- **loss** - zero (a sampler has no objective).
+    - **rejected** - ``(J,)`` booleans: the chain's silo replied with a non-finite
+      trajectory, which was dropped (the chain stays where it was and its counter
+      moves on, so the next draws differ).
+    - **trajectory** - the chain's global positions after each step of the contact
+      (the unchanged position, repeated, when the reply was dropped or did not
+      arrive).
+    """
+
+    loss: jax.Array
+    rejected: jax.Array
+    trajectory: dict
+
+
+class Minibatch(NamedTuple):
+    """What a silo's gradient estimator reads.
+
+    - **arrays** - the silo's padded arrays (units along axis 0).
+    - **mask** - ``(P,)`` booleans, True for real units.
+    - **idx** - ``(m,)`` slots of the minibatch (see
+      :func:`~numpyro_fed.potentials.batch_indices`), or ``None``: the whole silo.
+    """
+
+    arrays: dict
+    mask: jax.Array
+    idx: jax.Array | None = None
+
+
+# (position, minibatch) -> gradient, BlackJAX's shape; the position is the flat
+# global vector and the silo's local sites, and so is the gradient.
+Estimator = Callable[[tuple[jax.Array, dict], Minibatch], tuple[jax.Array, dict]]
+
+
+def annealed_step_size(a: float, b: float = 1.0, gamma: float = 0.55) -> Callable:
+    """
+    The polynomial decay :math:`h_t = a (b + t)^{-\\gamma}` (Welling & Teh 2011),
+    which meets :math:`\\sum_t h_t = \\infty`, :math:`\\sum_t h_t^2 < \\infty` for
+    :math:`\\gamma \\in (0.5, 1]`.
 
     **Example:**
 
     .. doctest::
 
-        >>> import jax, jax.numpy as jnp
-        >>> import numpyro, numpyro.distributions as dist
-        >>> from numpyro.infer import MCMC
-        >>> import numpyro_fed as nf
-        >>> def model(y):
-        ...     mu = numpyro.sample("mu", dist.Normal(0, 10))
-        ...     with nf.silo_plate("data", y.shape[0]):
-        ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
-        >>> y = jnp.arange(40.0) / 10
-        >>> data = nf.FederatedData.from_groups(jnp.arange(40) // 10, y=y)
-        >>> q = nf.fit_surrogates(model, data)
-        >>> kernel = nf.FSGLD(model, 5e-3, q, tau=10)
-        >>> mcmc = MCMC(kernel, num_warmup=200, num_samples=2000, progress_bar=False)
-        >>> mcmc.run(jax.random.key(0), data)
-        >>> mean = float(mcmc.get_samples()["mu"].mean())  # posterior: 1.95 +- 0.16
-        >>> abs(mean - 1.95) < 0.08
-        True
+        >>> from numpyro_fed.algorithms.sgld import annealed_step_size
+        >>> h = annealed_step_size(1e-2, b=1.0, gamma=1.0)
+        >>> float(h(0)), float(h(9))
+        (0.01, 0.001)
+    """
+    if not (a > 0 and b > 0 and gamma > 0):
+        raise ValueError(
+            f"annealed_step_size needs a, b, gamma > 0; got {a}, {b}, {gamma}."
+        )
+    return lambda t: a * (b + t) ** (-gamma)
+
+
+def conducive_gradient(
+    silo_grads: jax.Array, silo: jax.Array, silo_probs: jax.Array
+) -> jax.Array:
+    """
+    :math:`g_s = \\sum_k \\nabla \\log q_k - f_s^{-1} \\nabla \\log q_s` (Eq. 6) from
+    the per-silo surrogate gradients ``(J, D)``; :math:`\\sum_s f_s g_s = 0`.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import jax.numpy as jnp
+        >>> from numpyro_fed.algorithms.sgld import conducive_gradient
+        >>> grads, f = jnp.array([[1.0], [3.0]]), jnp.array([0.25, 0.75])
+        >>> [float(conducive_gradient(grads, s, f)[0]) for s in (0, 1)]
+        [0.0, 0.0]
+    """
+    return jnp.sum(silo_grads, 0) - silo_grads[silo] / silo_probs[silo]
+
+
+def conducive_factors(
+    surrogates: GaussianNat, silo_probs: Any, alpha: float = 1.0
+) -> GaussianNat:
+    r"""
+    The conducive gradient of each silo as one Gaussian factor,
+    :math:`\alpha g_s(\theta) = b_s - A_s \theta` with
+    :math:`A_s = \alpha(\Lambda - \Lambda_s / f_s)` and
+    :math:`b_s = \alpha(h - h_s / f_s)`, where :math:`(h, \Lambda)` is the product
+    :math:`q = \prod_k q_k`: one matrix-vector product per step, whatever ``J``
+    (:math:`A_s` is indefinite: a factor, not a density).
+
+    :param GaussianNat surrogates: the :math:`q_s`, stacked by silo.
+    :param silo_probs: :math:`f`.
+    :param float alpha: :math:`\alpha`.
+    :return: :math:`(b_s, A_s)` stacked by silo.
+    :rtype: ~numpyro_fed.expfam.GaussianNat
+    """
+    s = jax.tree.map(jnp.asarray, surrogates)
+    q = jax.tree.map(lambda x: jnp.sum(x, 0), s)
+    f = jnp.asarray(silo_probs)
+    f_prec = f.reshape((-1,) + (1,) * (s.prec.ndim - 1))
+    return GaussianNat(
+        alpha * (q.h - s.h / f[:, None]), alpha * (q.prec - s.prec / f_prec)
+    )
+
+
+def _keys(chain_key: jax.Array, t: jax.Array) -> jax.Array:
+    return jax.random.split(jax.random.fold_in(chain_key, t), 3)
+
+
+def choose_silo(cfg: SGLDConfig, chain_key: jax.Array, t: jax.Array) -> jax.Array:
+    """The silo :math:`c_r \\sim \\mathrm{Cat}(f)` of a round starting at step ``t``
+    (from the first of the step's keys)."""
+    key = _keys(chain_key, t)[0]
+    return jax.random.categorical(key, jnp.log(cfg.silo_probs)).astype(jnp.int32)
+
+
+def init_chain(cfg: SGLDConfig, z_global: dict, rng_key: jax.Array) -> FSGLDServerState:
+    """The server state of a chain at ``z_global`` and step 0, its first silo drawn."""
+    z_global = jax.tree.map(jnp.asarray, z_global)
+    zero = jnp.zeros((), jnp.int32)
+    return FSGLDServerState(z_global, zero, choose_silo(cfg, rng_key, zero), rng_key)
+
+
+def grad_estimator(pot: FederatedPotential, silo_prob: jax.Array) -> Estimator:
+    r"""
+    DSGLD's estimator on one silo (Eq. 4): :math:`\nabla \log p(\theta) +
+    \frac{N_s}{f_s m} \nabla \log p(x_s^{(m)} \mid \theta)` on the flattened global
+    position, and the exact gradient of the silo's local sites.
+
+    :param FederatedPotential pot: the model's potentials.
+    :param silo_prob: :math:`f_s`.
+    :return: ``((theta, z_local), Minibatch) -> (psi, local_grads)``.
     """
 
-    sample_field = "z"
-
-    def __init__(
-        self,
-        model: Callable,
-        step_size: Any,
-        surrogates: GaussianSurrogates | None,
-        tau: int = 1,
-        silo_probs: Any = None,
-        alpha: float = 1.0,
-        batch_size: int | None = None,
-        *,
-        replace: bool = True,
-        init_strategy: Callable = init_to_uniform,
-    ) -> None:
-        self._model = model
-        self._step_size = _check_step_size(step_size)
-        if isinstance(tau, bool) or not isinstance(tau, (int, np.integer)) or tau < 1:
-            raise ValueError(
-                f"tau (local steps per visit) must be an int >= 1, got {tau!r}."
+    def estimate(position, batch):
+        theta, z_local = position
+        z_global = pot.unflatten(theta)
+        if batch.idx is None:
+            g_lik, g_local = jax.grad(pot.silo_log_likelihood, argnums=(0, 1))(
+                z_global, z_local, batch.arrays, batch.mask
             )
-        if batch_size is not None and (
-            not isinstance(batch_size, (int, np.integer)) or batch_size < 1
-        ):
-            raise ValueError(
-                f"batch_size must be None or an int >= 1, got {batch_size!r}."
-            )
-        if not np.isfinite(alpha):
-            raise ValueError(f"alpha must be finite, got {alpha!r}.")
-        if surrogates is not None:
-            check_surrogates(surrogates)
-        self._surrogates = surrogates
-        self._tau = int(tau)
-        self._silo_probs = _check_probs(silo_probs)
-        self._alpha = float(alpha)
-        self._batch_size = batch_size
-        self._replace = bool(replace)
-        self._init_strategy = init_strategy
-        self._built: dict = {}
-        self._sample_fn = None
-
-    # ------------------------------------------------------------ construction
-    @staticmethod
-    def _data(model_args: tuple, model_kwargs: dict | None) -> Any:
-        if (
-            model_kwargs
-            or len(model_args) != 1
-            or not isinstance(model_args[0], FederatedData)
-        ):
-            raise TypeError(
-                "Run the kernel as MCMC(kernel, ...).run(rng_key, data) with one "
-                "FederatedData; bind other model arguments with functools.partial."
-            )
-        return model_args[0]
-
-    def _setup(self, data: Any) -> tuple[FederatedPotential, SGLDConfig]:
-        layout = (data.sizes, data.padded_size) + tuple(
-            (k, v.shape, str(v.dtype)) for k, v in sorted(data.arrays.items())
-        )
-        if layout not in self._built:
-            pot = federated_potential(self._model, data)
-            f = _check_probs(self._silo_probs, data.num_silos)
-            if f is None:
-                f = np.full(data.num_silos, 1.0 / data.num_silos)
-            if self._surrogates is not None:
-                check_surrogates(self._surrogates, data.num_silos, pot.global_dim)
-            if self._batch_size is not None and not self._replace:
-                if self._batch_size > min(data.sizes):
-                    raise ValueError(
-                        f"batch_size={self._batch_size} exceeds the smallest silo "
-                        f"({min(data.sizes)} units): draw with replace=True or use a "
-                        "smaller batch."
-                    )
-            cfg = SGLDConfig(
-                self._step_size,
-                self._tau,
-                jnp.asarray(f),
-                self._alpha,
-                None
-                if self._surrogates is None
-                else ChainSurrogates.of(self._surrogates, f, self._alpha),
-                self._batch_size,
-                self._replace,
-            )
-            self._built[layout] = (pot, cfg)
-        return self._built[layout]
-
-    def potential(self, data: Any) -> FederatedPotential:
-        """The model's :class:`~numpyro_fed.potentials.FederatedPotential` on ``data``."""
-        return self._setup(data)[0]
-
-    def config(self, data: Any) -> SGLDConfig:
-        """The chain's :class:`SGLDConfig` on ``data``."""
-        return self._setup(data)[1]
-
-    # -------------------------------------------------------------- NumPyro API
-    @property
-    def model(self) -> Callable:
-        """The model on pooled data, ``model(data)``, as ArviZ expects."""
-        return pooled_model(self._model)
-
-    @property
-    def default_fields(self) -> tuple[str, ...]:
-        return ("z",)
-
-    def init(
-        self, rng_key, num_warmup, init_params=None, model_args=(), model_kwargs=None
-    ):
-        """
-        :param jax.random.key rng_key: the chain's key (or one key per chain for
-            ``chain_method="vectorized"``).
-        :param int num_warmup: burn-in steps (no adaptation: counted like samples).
-        :param dict init_params: an unconstrained starting position (global sites;
-            local sites stacked ``(J, P, ...)``), or ``None`` for ``init_strategy``.
-        :return: the initial :class:`SGLDState`.
-        """
-        del num_warmup
-        data = self._data(model_args, model_kwargs)
-        pot, cfg = self._setup(data)
-
-        def one(key, z=None):
-            init_key, chain_key = jax.random.split(key)
-            if z is None:
-                z = pot.init_position(init_key, data, self._init_strategy)
-            return init(pot, z, chain_key)
-
-        sample_fn = lambda state, d: step(pot, cfg, state, silo_data_of(d))
-        if is_prng_key(rng_key):
-            state = one(rng_key, init_params)
-            self._sample_fn = sample_fn
         else:
-            state = (
-                jax.vmap(one)(rng_key, init_params)
-                if init_params is not None
-                else (jax.vmap(one)(rng_key))
+            g_lik = jax.grad(pot.minibatch_log_likelihood)(
+                z_global, z_local, batch.arrays, batch.idx, jnp.sum(batch.mask)
             )
-            self._sample_fn = jax.vmap(sample_fn, in_axes=(0, None))
-        return state
+            g_local = {}
+            if z_local:  # the locals' exact gradient needs the whole silo
+                g_local = jax.grad(pot.silo_log_likelihood, argnums=1)(
+                    z_global, z_local, batch.arrays, batch.mask
+                )
+        prior = pot.flatten(jax.grad(pot.log_prior)(z_global))
+        return prior + pot.flatten(g_lik) / silo_prob, g_local
 
-    def sample(
-        self, state: SGLDState, model_args: tuple, model_kwargs: dict
-    ) -> SGLDState:
-        """One Langevin step (:func:`step`)."""
-        return self._sample_fn(state, self._data(model_args, model_kwargs))
-
-    def postprocess_fn(self, model_args: tuple, model_kwargs: dict) -> Callable:
-        """Unconstrained position -> constrained sites, local sites in pooled order."""
-        if not model_args:
-            return identity
-        data = self._data(model_args, model_kwargs)
-        pot = self._setup(data)[0]
-
-        def constrain(z: dict) -> dict:
-            z_global, z_local = pot.split(z)
-            values = pot.constrain(z_global)
-            values.update(data.gather_units(pot.constrain(z_local)))
-            return values
-
-        return constrain
-
-    def get_diagnostics_str(self, state: SGLDState) -> str:
-        return f"silo {int(state.silo)}, h={float(self._step_size(state.step)):.2e}"
-
-    def __getstate__(self) -> dict:
-        state = self.__dict__.copy()
-        state["_sample_fn"] = None
-        state["_built"] = {}
-        return state
-
-    # --------------------------------------------------------------- protocol
-    def run_protocol(
-        self,
-        rng_key: jax.Array,
-        data: Any,
-        num_rounds: int,
-        *,
-        init_params: dict | None = None,
-    ) -> ProtocolResult:
-        """
-        Run the chain as messages between a server and the silos under the sequential
-        runtime: each round the server sends the chain (global position, step counter,
-        key) to one silo, which returns its ``tau``-step trajectory. Starting from the
-        same ``rng_key`` it reproduces ``MCMC(kernel, num_warmup=0, num_samples=
-        num_rounds * tau).run(rng_key, data)`` draw for draw on the global sites.
-
-        :param jax.random.key rng_key: the chain's key (as given to ``MCMC.run``).
-        :param FederatedData data: the silos' data.
-        :param int num_rounds: chain handoffs.
-        :param dict init_params: optional unconstrained starting position.
-        :rtype: ProtocolResult
-        """
-        pot, cfg = self._setup(data)
-        first = self.init(rng_key, 0, init_params, (data,), {})
-        return run_protocol(pot, cfg, first, data, num_rounds, self._init_strategy)
+    return estimate
 
 
-class DSGLD(FSGLD):
-    """
-    Distributed SGLD (Ahn et al. 2014; El Mekkaoui et al., Eqs. 3-4): :class:`FSGLD`
-    without the conducive gradient.
+def with_conducive_gradient(estimator: Estimator, factor: GaussianNat) -> Estimator:
+    r"""
+    ``estimator`` plus the silo's conducive gradient :math:`\alpha g_s(\theta) = b_s
+    - A_s \theta` (Eq. 7): a control variate with mean zero over the silo choice.
 
-    :param callable model: a federated model.
-    :param step_size: :math:`h` or a callable ``t -> h_t``.
-    :param int tau: local steps per visit.
-    :param silo_probs: :math:`f` (default uniform).
-    :param int batch_size: minibatch size per silo (default: the whole silo).
-    :param bool replace: draw minibatches with replacement.
-    :param callable init_strategy: NumPyro init strategy.
-
-    **Example:**
-
-    .. doctest::
-
-        >>> import numpyro_fed as nf
-        >>> def model(y): ...
-        >>> nf.DSGLD(model, 1e-3, tau=0)
-        Traceback (most recent call last):
-        ...
-        ValueError: tau (local steps per visit) must be an int >= 1, got 0.
+    :param estimator: a ``(position, minibatch) -> gradient`` estimator.
+    :param GaussianNat factor: the silo's :math:`(b_s, A_s)`, a row of
+        :func:`conducive_factors`.
     """
 
-    def __init__(
-        self,
-        model: Callable,
-        step_size: Any,
-        tau: int = 1,
-        silo_probs: Any = None,
-        batch_size: int | None = None,
-        *,
-        replace: bool = True,
-        init_strategy: Callable = init_to_uniform,
-    ) -> None:
-        super().__init__(
-            model,
-            step_size,
-            None,
-            tau,
-            silo_probs,
-            0.0,
-            batch_size,
-            replace=replace,
-            init_strategy=init_strategy,
+    def estimate(position, batch):
+        psi, g_local = estimator(position, batch)
+        return psi + grad_log_density(factor, position[0]), g_local
+
+    return estimate
+
+
+def silo_estimator(pot: FederatedPotential, cfg: SGLDConfig, silo: Any) -> Estimator:
+    """The estimator of silo ``silo``: :func:`grad_estimator`, wrapped by
+    :func:`with_conducive_gradient` when ``cfg`` has surrogates."""
+    estimator = grad_estimator(pot, cfg.silo_probs[silo])
+    if cfg.conducive is not None:
+        estimator = with_conducive_gradient(estimator, take(cfg.conducive, silo))
+    return estimator
+
+
+def _langevin_step(pot, cfg, estimator, position, arrays, mask, t, chain_key):
+    """One Langevin step on one silo; the draws come from ``fold_in(chain_key, t)``."""
+    _, k_batch, k_noise = _keys(chain_key, t)
+    h = cfg.step_size(t)
+    idx = None
+    if cfg.batch_size is not None:
+        idx = batch_indices(
+            k_batch, jnp.sum(mask), mask.shape[0], cfg.batch_size, cfg.replace
         )
+    psi, g_local = estimator(position, Minibatch(arrays, mask, idx))
+    theta, z_local = position
+    k_global, k_local = jax.random.split(k_noise)
+    noise = jax.random.normal(k_global, theta.shape, theta.dtype)
+    theta = theta + 0.5 * h * psi + jnp.sqrt(h) * noise
+    new_local = {}
+    local_keys = jax.random.split(k_local, max(len(z_local), 1))
+    for k, name in zip(local_keys, sorted(z_local), strict=False):
+        v = z_local[name]
+        real = mask.reshape(mask.shape + (1,) * (v.ndim - 1))
+        noise = jax.random.normal(k, v.shape, v.dtype)
+        move = 0.5 * h * g_local[name] + jnp.sqrt(h) * noise
+        new_local[name] = v + jnp.where(real, move, 0.0)  # padded units stay put
+    return theta, new_local
+
+
+def fsgld(
+    pot: FederatedPotential,
+    cfg: SGLDConfig,
+    init_strategy: Callable = init_to_uniform,
+    *,
+    steps_per_contact: int | None = None,
+    reject_nonfinite: bool = True,
+) -> FederatedAlgorithm:
+    """
+    FSGLD (DSGLD when ``cfg.conducive`` is ``None``) as a
+    :class:`~numpyro_fed.FederatedAlgorithm`. One round is one contact: ``select``
+    names the chain's silo, which takes ``steps_per_contact`` Langevin steps and
+    returns its trajectory; the server moves the chain and draws the next silo when
+    its counter reaches a multiple of ``tau``.
+
+    :param FederatedPotential pot: the model's potentials.
+    :param SGLDConfig cfg: the chain's settings.
+    :param callable init_strategy: NumPyro init strategy of ``init_server`` and
+        ``init_silo``.
+    :param int steps_per_contact: Langevin steps per contact, a divisor of
+        ``cfg.tau`` (default ``cfg.tau``: one contact per visit, Algorithm 1; the
+        MCMC kernels take 1, one step per sample).
+    :param bool reject_nonfinite: drop a non-finite trajectory (the contract's
+        guard against a faulty silo); the MCMC kernels turn it off, so a diverging
+        chain shows NaNs, as NumPyro's samplers do, and skips the check's cost.
+    :rtype: FederatedAlgorithm
+    """
+    steps = cfg.tau if steps_per_contact is None else steps_per_contact
+    if not isinstance(steps, int) or steps < 1 or cfg.tau % steps:
+        raise ValueError(
+            f"steps_per_contact must be a positive divisor of tau={cfg.tau}, got "
+            f"{steps_per_contact!r}."
+        )
+    num_silos = cfg.silo_probs.shape[0]
+
+    def init_server(key: jax.Array) -> FSGLDServerState:
+        init_key, chain_key = jax.random.split(key)
+        return init_chain(cfg, pot.init_global(init_key, init_strategy), chain_key)
+
+    def init_silo(key: jax.Array, data: SiloData) -> FSGLDSiloState:
+        return FSGLDSiloState(pot.init_local(key, data.arrays, init_strategy))
+
+    def server_message(state: FSGLDServerState, key: jax.Array) -> Message:
+        del key
+        chain = FSGLDServerMessage(state.z_global, state.step, state.rng_key)
+        return Message(chain, jnp.arange(num_silos, dtype=jnp.int32))
+
+    def silo_step(message: Message, state: FSGLDSiloState, data: SiloData, key):
+        del key  # reproducible mode: the draws come from the chain's key
+        chain, silo = message.broadcast, message.routed
+        estimator = silo_estimator(pot, cfg, silo)
+
+        def body(position, i):
+            position = _langevin_step(
+                pot,
+                cfg,
+                estimator,
+                position,
+                data.arrays,
+                data.mask,
+                chain.step + i,
+                chain.rng_key,
+            )
+            return position, pot.unflatten(position[0])
+
+        start = (pot.flatten(chain.z_global), state.z_local)
+        (_, z_local), trajectory = jax.lax.scan(
+            body, start, jnp.arange(steps, dtype=jnp.int32), unroll=steps == 1
+        )
+        # The server drops a non-finite trajectory; the silo keeps its locals then.
+        if z_local and reject_nonfinite:
+            ok = all_finite((trajectory, z_local))
+            z_local = tree_where(ok, z_local, state.z_local)
+        return FSGLDSiloMessage(trajectory), FSGLDSiloState(z_local)
+
+    def select(state: FSGLDServerState, key: jax.Array, num: int) -> jax.Array:
+        del key
+        return jnp.arange(num) == state.silo
+
+    def server_step(state: FSGLDServerState, replies, key, participating):
+        del key
+        silo = state.silo
+        reply = take(replies, silo)
+        arrived = participating[silo]
+        finite = all_finite(reply) if reject_nonfinite else jnp.array(True)
+        here = jax.tree.map(
+            lambda x: jnp.broadcast_to(x, (steps,) + jnp.shape(x)), state.z_global
+        )
+        trajectory = tree_where(arrived & finite, reply.trajectory, here)
+        step = jnp.where(arrived, state.step + steps, state.step)
+        # The Cat(f) draw costs O(J) (a Gumbel per silo): a cond pays it once per
+        # visit, not every step (under vmap with per-chain counters it is a select).
+        silo = jax.lax.cond(
+            arrived & (step % cfg.tau == 0),
+            lambda: choose_silo(cfg, state.rng_key, step),
+            lambda: silo,
+        )
+        new = FSGLDServerState(take(trajectory, -1), step, silo, state.rng_key)
+        rejected = (jnp.arange(num_silos) == state.silo) & arrived & ~finite
+        loss = jnp.zeros((), jnp.result_type(float))
+        return new, FSGLDInfo(loss, rejected, trajectory)
+
+    return FederatedAlgorithm(
+        init_server, init_silo, server_message, silo_step, server_step, select
+    )
+
+
+def dsgld(
+    pot: FederatedPotential,
+    cfg: SGLDConfig,
+    init_strategy: Callable = init_to_uniform,
+    *,
+    steps_per_contact: int | None = None,
+    reject_nonfinite: bool = True,
+) -> FederatedAlgorithm:
+    """DSGLD (Ahn et al. 2014): :func:`fsgld` without surrogates (``alpha = 0``);
+    ``cfg``'s surrogates, if any, are ignored."""
+    cfg = cfg._replace(alpha=0.0, conducive=None)
+    return fsgld(
+        pot,
+        cfg,
+        init_strategy,
+        steps_per_contact=steps_per_contact,
+        reject_nonfinite=reject_nonfinite,
+    )

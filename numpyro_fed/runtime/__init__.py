@@ -3,6 +3,7 @@
 """Runtimes: how the pure functions of any algorithm are scheduled."""
 
 from numpyro_fed.runtime.accounting import RoundBytes, round_bytes
+from numpyro_fed.runtime.contact import contact_round
 from numpyro_fed.runtime.events import EventSchedule, event_round, event_schedule
 from numpyro_fed.runtime.sequential import sequential_round
 from numpyro_fed.runtime.simulate import simulate_round
@@ -10,6 +11,7 @@ from numpyro_fed.runtime.simulate import simulate_round
 __all__ = [
     "EventSchedule",
     "RoundBytes",
+    "contact_round",
     "event_round",
     "event_schedule",
     "round_bytes",

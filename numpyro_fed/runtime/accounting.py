@@ -32,14 +32,17 @@ class RoundBytes(NamedTuple):
         return self.broadcast + self.routed
 
 
+def _leaf_bytes(x: Any) -> int:
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        # A typed key travels as its key data (two uint32 for threefry).
+        x = jax.eval_shape(jax.random.key_data, x)
+    return int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+
+
 def nbytes(tree: Any) -> int:
-    """Bytes of the array leaves of ``tree`` (arrays or ``ShapeDtypeStruct``)."""
-    return int(
-        sum(
-            int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-            for x in jax.tree.leaves(tree)
-        )
-    )
+    """Bytes of the array leaves of ``tree`` (arrays or ``ShapeDtypeStruct``; a typed
+    PRNG key counts as its key data)."""
+    return sum(_leaf_bytes(x) for x in jax.tree.leaves(tree))
 
 
 def round_bytes(

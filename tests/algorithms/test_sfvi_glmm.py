@@ -20,7 +20,7 @@ def test_six_cities_glmm_against_nuts():
     from numpyro_fed.datasets import six_cities
 
     cities = six_cities()
-    hospital = nf.split_iid(len(cities.y), 2, sizes=[300, 237], seed=0)
+    hospital = nf.data.split_iid(len(cities.y), 2, sizes=[300, 237], seed=0)
     data = nf.FederatedData.from_groups(hospital, X=cities.X, y=cities.y)
     fed = nf.federate(m.glmm, silos="child")
     svi = nf.SFVI(

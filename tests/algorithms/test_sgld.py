@@ -19,13 +19,14 @@ from scipy import stats
 
 import numpyro_fed as nf
 from numpyro_fed.algorithms.sgld import (
-    ChainSurrogates,
+    Minibatch,
     SGLDConfig,
+    conducive_factors,
     conducive_gradient,
-    estimator,
+    silo_estimator,
 )
+from numpyro_fed.expfam import GaussianNat, grad_log_density
 from numpyro_fed.potentials import batch_indices, federated_potential
-from numpyro_fed.surrogates import GaussianSurrogates, surrogate_grad
 from tests import _models as m
 
 # ---------------------------------------------------------------- fixtures
@@ -87,12 +88,23 @@ def chain_stats(draws):
     )
 
 
+def silo_drift(pot, cfg):
+    """``(z_global, z_local, silo, arrays, mask, idx) -> (psi, local_grads)``: the
+    estimator the algorithm's silo step uses, at a global position given as sites."""
+
+    def psi(z_global, z_local, s, arrays, mask, idx=None):
+        estimator = silo_estimator(pot, cfg, s)
+        return estimator((pot.flatten(z_global), z_local), Minibatch(arrays, mask, idx))
+
+    return psi
+
+
 def jit_estimator(pot, cfg):
-    return jax.jit(partial(estimator, pot, cfg))
+    return jax.jit(silo_drift(pot, cfg))
 
 
 def config(f, surrogates=None, alpha=1.0, batch_size=None):
-    chain = None if surrogates is None else ChainSurrogates.of(surrogates, f, alpha)
+    chain = None if surrogates is None else conducive_factors(surrogates, f, alpha)
     return SGLDConfig(lambda t: 1e-3, 1, jnp.asarray(f), alpha, chain, batch_size, True)
 
 
@@ -102,8 +114,8 @@ def random_surrogates(rng, num_silos, dim, diagonal):
     else:
         a = rng.normal(size=(num_silos, dim, dim))
         precision = a @ a.transpose(0, 2, 1) + dim * np.eye(dim)
-    return GaussianSurrogates(
-        jnp.asarray(precision), jnp.asarray(rng.normal(size=(num_silos, dim)))
+    return GaussianNat(
+        h=jnp.asarray(rng.normal(size=(num_silos, dim))), prec=jnp.asarray(precision)
     )
 
 
@@ -120,7 +132,7 @@ def test_t1_conducive_gradient_has_zero_mean(diagonal):
     q = random_surrogates(rng, 5, 4, diagonal)
     f = jnp.asarray(rng.dirichlet(np.ones(5)))
     theta = jnp.asarray(rng.normal(size=4))
-    grads = surrogate_grad(q, theta)
+    grads = grad_log_density(q, theta)
     total = sum(f[s] * conducive_gradient(grads, s, f) for s in range(5))
     np.testing.assert_allclose(total, 0.0, atol=1e-12)
 
@@ -136,7 +148,7 @@ def test_t2_estimator_is_unbiased_by_enumeration(alpha):
     f = np.array([0.2, 0.3, 0.5])
     q = random_surrogates(np.random.default_rng(1), 3, 3, diagonal=False)
     est = jax.vmap(
-        partial(estimator, pot, config(f, q, alpha, batch_size=2)),
+        silo_drift(pot, config(f, q, alpha, batch_size=2)),
         in_axes=(None, None, None, None, None, 0),
     )
     beta = jnp.array([0.3, -0.2, 0.5])
@@ -406,7 +418,7 @@ def test_annealed_step_size_uses_the_global_step_counter():
     for name, h in [
         ("const", 1e-2),
         ("callable", lambda t: 1e-2 + 0.0 * t),
-        ("decaying", nf.annealed_step_size(1e-2, b=1.0, gamma=1.0)),
+        ("decaying", nf.algorithms.sgld.annealed_step_size(1e-2, b=1.0, gamma=1.0)),
     ]:
         mcmc = MCMC(
             nf.DSGLD(fed, h, tau=2), num_warmup=0, num_samples=20, progress_bar=False
@@ -418,7 +430,7 @@ def test_annealed_step_size_uses_the_global_step_counter():
     np.testing.assert_allclose(runs["decaying"][0], runs["const"][0], rtol=1e-12)
     assert not np.allclose(runs["const"], runs["decaying"])
     # warmup then sampling: the counter (hence h_t) continues, it does not restart
-    kernel = nf.DSGLD(fed, nf.annealed_step_size(1e-2, gamma=1.0), tau=2)
+    kernel = nf.DSGLD(fed, nf.algorithms.sgld.annealed_step_size(1e-2, gamma=1.0), tau=2)
     mcmc = MCMC(kernel, num_warmup=10, num_samples=10, progress_bar=False)
     mcmc.run(jax.random.key(1), data, init_params=init)
     np.testing.assert_allclose(
@@ -464,8 +476,9 @@ def test_t14_communication_accounting(hierarchical):
     assert st.surrogate_messages == data.num_silos  # once, before sampling
     assert st.server_to_silo_messages == st.silo_to_server_messages == rounds
     dim, key_bytes = 1, 8  # mu; a threefry key is two uint32
-    assert st.server_to_silo_bytes == rounds * (8 * dim + 4 + 4 + key_bytes)
-    assert st.silo_to_server_bytes == rounds * (8 * dim * tau + 4)
+    # down: position, step counter, key, and the silo's index (routed to it alone)
+    assert st.server_to_silo_bytes == rounds * (8 * dim + 4 + key_bytes + 4)
+    assert st.silo_to_server_bytes == rounds * 8 * dim * tau  # the trajectory
     assert st.surrogate_bytes == 2 * data.num_silos * 2 * 8 * dim
     none = nf.DSGLD(fed, 1e-2, tau=tau).run_protocol(jax.random.key(0), data, 2).stats
     assert none.surrogate_messages == 0 and none.surrogate_bytes == 0
@@ -475,12 +488,14 @@ def test_message_audit_no_data_or_local_latents_leave_a_silo(hierarchical):
     fed, data, q = hierarchical
     kernel = nf.FSGLD(fed, 1e-2, q, tau=3)
     pot, cfg = kernel.potential(data), kernel.config(data)
-    algorithm = nf.algorithms.fsgld(pot, cfg)
+    algorithm = nf.fsgld(pot, cfg)
     server = algorithm.init_server(jax.random.key(0))
     silo_data = jax.tree.map(lambda x: x[0], nf.protocol.silo_data_of(data))
     silo_state = algorithm.init_silo(jax.random.key(1), silo_data)
     message = algorithm.server_message(server, jax.random.key(2))
-    reply, _ = algorithm.silo_step(message, silo_state, silo_data, jax.random.key(3))
+    reply, _ = algorithm.silo_step(
+        message.at(0), silo_state, silo_data, jax.random.key(3)
+    )
     forbidden = {data.padded_size, *data.sizes}  # units of any silo
     for leaf in jax.tree.leaves((message, reply)):
         shape = jnp.shape(leaf)
@@ -517,7 +532,7 @@ def test_bad_data_and_surrogates_raise_clear_errors(hierarchical):
     run = lambda k, d: MCMC(k, num_warmup=1, num_samples=1, progress_bar=False).run(
         jax.random.key(0), d
     )
-    bad = GaussianSurrogates(q.precision.at[1].set(-1.0), q.shift)
+    bad = q._replace(prec=q.prec.at[1].set(-1.0))
     with pytest.raises(ValueError, match="silo 1 has a precision that is not positive"):
         nf.FSGLD(fed, 1e-3, bad)
     fewer = nf.FederatedData.from_groups(np.repeat([0, 1], [9, 8]), **data.pooled())
@@ -532,7 +547,7 @@ def test_bad_data_and_surrogates_raise_clear_errors(hierarchical):
     with pytest.raises(TypeError, match="FederatedData"):
         run(nf.DSGLD(fed, 1e-3), data.pooled()["y"])
     with pytest.raises(ValueError, match="dimension 2 but the model's flattened"):
-        wide = GaussianSurrogates(jnp.ones((3, 2)), jnp.zeros((3, 2)))
+        wide = GaussianNat(h=jnp.zeros((3, 2)), prec=jnp.ones((3, 2)))
         run(nf.FSGLD(fed, 1e-3, wide), data)
 
 

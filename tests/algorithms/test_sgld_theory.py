@@ -5,7 +5,6 @@ decomposition of §2.5, by enumeration), T11 (misspecified surrogates, §2.6), T
 (Lemma 2's epsilon^2 against Assumption 1's gamma^2 on a grid) and the diagnostics of
 :mod:`numpyro_fed.sgld_diagnostics`."""
 
-from functools import partial
 import itertools
 
 import jax
@@ -16,14 +15,13 @@ from numpyro.infer.util import log_density
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed.algorithms.sgld import estimator
+from numpyro_fed.expfam import GaussianNat
 from numpyro_fed.sgld_diagnostics import (
     epsilon_squared,
     gamma_squared,
     gradient_variance,
     mean_error_curves,
 )
-from numpyro_fed.surrogates import GaussianSurrogates
 from tests import _models as m
 from tests.algorithms.test_sgld import (
     LAMBDA0,
@@ -32,6 +30,7 @@ from tests.algorithms.test_sgld import (
     blobs,
     random_surrogates,
     silo,
+    silo_drift,
 )
 
 
@@ -39,8 +38,8 @@ def exact_surrogates(xs):
     """q_s = N(xbar_s, I / N_s): the Gaussian-mean model's exact silo likelihoods."""
     n = np.array([len(x) for x in xs], float)[:, None]
     means = np.stack([x.mean(0) for x in xs])
-    return GaussianSurrogates(
-        jnp.asarray(n * np.ones_like(means)), jnp.asarray(n * means)
+    return GaussianNat(
+        h=jnp.asarray(n * means), prec=jnp.asarray(n * np.ones_like(means))
     )
 
 
@@ -59,7 +58,7 @@ def enumerate_drift(kernel, data, theta):
     silos = np.array([r[0] for r in rows])
     idx = jnp.array([r[1] for r in rows])
     arrays = {k: v[silos] for k, v in data.arrays.items()}
-    est = jax.vmap(partial(estimator, pot, cfg), in_axes=(None, None, 0, 0, 0, 0))
+    est = jax.vmap(silo_drift(pot, cfg), in_axes=(None, None, 0, 0, 0, 0))
     z = pot.unflatten(jnp.asarray(theta))
     psi = np.asarray(jax.jit(est)(z, {}, silos, arrays, data.mask[silos], idx)[0])
     means = np.stack([psi[silos == s].mean(0) for s in range(data.num_silos)])
@@ -151,7 +150,7 @@ def misspecified_targets(xs, f, q):
     coordinate (diagonal surrogates, isotropic likelihood)."""
     n = np.array([len(x) for x in xs], float)[:, None]
     xbar = np.stack([x.mean(0) for x in xs])
-    p, mean_q = np.asarray(q.precision), np.asarray(q.shift) / np.asarray(q.precision)
+    p, mean_q = np.asarray(q.prec), np.asarray(q.h) / np.asarray(q.prec)
     f = np.asarray(f)[:, None]
     pi = LAMBDA0 + n / f + p.sum(0) - p / f
     nu = (n / f * xbar + (p * mean_q).sum(0) - p * mean_q / f) / pi
@@ -194,7 +193,7 @@ def misspecified():
     n = np.array([[20.0], [40.0], [60.0]])
     means = np.stack([x.mean(0) for x in xs]) + rng.choice([-1.0, 1.0], size=(3, 2))
     precision = n * rng.uniform(0.6, 1.4, size=(3, 2))  # wrong mean and precision
-    q = GaussianSurrogates(jnp.asarray(precision), jnp.asarray(precision * means))
+    q = GaussianNat(h=jnp.asarray(precision * means), prec=jnp.asarray(precision))
     return xs, data, q, [0.25, 0.35, 0.4]
 
 
@@ -204,7 +203,7 @@ def test_t11_misspecified_surrogates_keep_the_expected_drift_exact(misspecified)
     xs, data, q, f = misspecified
     kernel = nf.FSGLD(blob_model, 1e-3, q, silo_probs=f)
     pot, cfg = kernel.potential(data), kernel.config(data)
-    est = jax.jit(partial(estimator, pot, cfg))
+    est = jax.jit(silo_drift(pot, cfg))
     pooled = {"x": jnp.asarray(np.concatenate(xs))}
     full = jax.grad(lambda t: log_density(blob_model, (), pooled, {"theta": t})[0])
     for theta in np.random.default_rng(5).normal(size=(3, 2)) * 2:
@@ -306,7 +305,7 @@ def test_epsilon_with_wrong_surrogates_adds_the_surrogate_gap(misspecified):
     xs, data, q, _ = misspecified
     theta = np.array([[0.3, -0.4], [1.0, 2.0]])
     eps = np.asarray(epsilon_squared(blob_model, data, q, theta))
-    p, shift = np.asarray(q.precision), np.asarray(q.shift)
+    p, shift = np.asarray(q.prec), np.asarray(q.h)
     for s, x in enumerate(xs):
         n = len(x)
         for g, t in enumerate(theta):

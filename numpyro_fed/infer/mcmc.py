@@ -1,0 +1,505 @@
+# Copyright Contributors to the numpyro-fed project.
+# SPDX-License-Identifier: Apache-2.0
+"""``FSGLD`` and ``DSGLD``: NumPyro MCMC kernels over
+:func:`~numpyro_fed.algorithms.sgld.fsgld`, as NumPyro's ``SA`` wraps ``_sa``.
+
+One MCMC sample is one contact of
+:func:`~numpyro_fed.runtime.contact_round` with one Langevin step per contact: the
+kernel runs the algorithm's own ``select``, ``silo_step`` and ``server_step``, so the
+chain it samples is the chain that every runtime drives (:meth:`FSGLD.run_protocol`
+runs it as messages under the sequential runtime).
+
+**References:**
+
+1. *Federated Stochastic Gradient Langevin Dynamics*, K. El Mekkaoui, D. Mesquita,
+   P. Blomstedt, S. Kaski (UAI 2021), Algorithm 1, Eqs. 3-7.
+2. *Distributed Stochastic Gradient MCMC*, S. Ahn, B. Shahbaba, M. Welling (ICML 2014).
+"""
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from numpyro.infer.initialization import init_to_uniform
+from numpyro.infer.mcmc import MCMCKernel
+from numpyro.util import identity, is_prng_key
+
+from numpyro_fed.algorithms.sgld import (
+    FSGLDServerState,
+    FSGLDSiloState,
+    SGLDConfig,
+    conducive_factors,
+    fsgld,
+    init_chain,
+)
+from numpyro_fed.data import FederatedData
+from numpyro_fed.expfam import GaussianNat
+from numpyro_fed.potentials import FederatedPotential, federated_potential
+from numpyro_fed.protocol import FederatedAlgorithm, jit_algorithm, silo_data_of
+from numpyro_fed.runtime import contact_round, round_bytes, sequential_round
+from numpyro_fed.runtime.accounting import nbytes
+from numpyro_fed.surrogates import check_surrogates
+
+__all__ = ["DSGLD", "FSGLD", "CommStats", "ProtocolResult", "SGLDState"]
+
+
+class SGLDState(NamedTuple):
+    """State of a DSGLD/FSGLD chain.
+
+    - **z** - unconstrained position: global sites, and local sites stacked
+      ``(J, P, ...)`` by silo and padded unit.
+    - **step** - the global step counter :math:`t` (steps taken so far); it drives
+      the annealed step size and the silo schedule.
+    - **silo** - the silo :math:`c_r` holding the chain (the one the next step runs on).
+    - **rng_key** - the chain's key; step :math:`t` draws from ``fold_in(rng_key, t)``.
+    """
+
+    z: dict
+    step: jax.Array
+    silo: jax.Array
+    rng_key: jax.Array
+
+
+class CommStats(NamedTuple):
+    """Communication of a protocol run.
+
+    - **rounds** - chain handoffs (= steps / tau).
+    - **steps** - Langevin steps taken.
+    - **surrogate_messages** - silo -> server surrogate uploads (once per silo).
+    - **surrogate_bytes** - their bytes, plus the product broadcast to each silo.
+    - **server_to_silo_messages** / **server_to_silo_bytes** - chain handoffs sent.
+    - **silo_to_server_messages** / **silo_to_server_bytes** - trajectories returned.
+    """
+
+    rounds: int
+    steps: int
+    surrogate_messages: int
+    surrogate_bytes: int
+    server_to_silo_messages: int
+    server_to_silo_bytes: int
+    silo_to_server_messages: int
+    silo_to_server_bytes: int
+
+
+class ProtocolResult(NamedTuple):
+    """- **samples** - constrained global sites, ``(rounds * tau, ...)`` per site.
+    - **server_state** - the final
+      :class:`~numpyro_fed.algorithms.sgld.FSGLDServerState`.
+    - **silo_states** - the final
+      :class:`~numpyro_fed.algorithms.sgld.FSGLDSiloState`, stacked by silo.
+    - **stats** - :class:`CommStats`.
+    """
+
+    samples: dict
+    server_state: FSGLDServerState
+    silo_states: FSGLDSiloState
+    stats: CommStats
+
+
+def _check_step_size(step_size: Any) -> Callable:
+    if callable(step_size):
+        h0 = float(step_size(jnp.zeros((), jnp.int32)))
+        if not h0 > 0:
+            raise ValueError(f"step_size(0) must be positive, got {h0}.")
+        return step_size
+    if isinstance(step_size, bool) or not np.isscalar(step_size) or not step_size > 0:
+        raise ValueError(
+            f"step_size must be a positive number or a callable t -> h_t, got {step_size!r}."
+        )
+    h = float(step_size)
+    return lambda t: jnp.asarray(h)
+
+
+def _check_probs(silo_probs: Any, num_silos: int | None = None) -> np.ndarray | None:
+    if silo_probs is None:
+        return None
+    f = np.asarray(silo_probs, dtype=float)
+    if f.ndim != 1 or not np.all(f > 0) or not abs(f.sum() - 1) < 1e-6:
+        raise ValueError(
+            "silo_probs must be positive probabilities, one per silo, summing to 1; "
+            f"got {f.tolist()} (sum {f.sum():.6g})."
+        )
+    if num_silos is not None and len(f) != num_silos:
+        raise ValueError(
+            f"silo_probs has {len(f)} entries but the data hold {num_silos} silos."
+        )
+    return f
+
+
+def pooled_model(model: Callable) -> Callable:
+    """``model`` called on ``FederatedData.pooled()``: what ArviZ and ``Predictive``
+    run with the kernel's ``(data,)`` arguments."""
+
+    def pooled(data: Any, *args: Any, **kwargs: Any) -> Any:
+        return model(*args, **kwargs, **data.pooled())
+
+    return pooled
+
+
+def _sample(
+    algorithm: FederatedAlgorithm, pot: FederatedPotential, state: SGLDState, data
+) -> SGLDState:
+    """One contact (one Langevin step) of the chain in ``state``."""
+    z_global, z_local = pot.split(state.z)
+    server = FSGLDServerState(z_global, state.step, state.silo, state.rng_key)
+    # The chain's draws come from its own key (the reproducible mode), so the
+    # runtime's keys are placeholders.
+    server, silos, _ = contact_round(
+        algorithm,
+        server,
+        FSGLDSiloState(z_local),
+        silo_data_of(data),
+        state.rng_key,
+        state.rng_key,
+    )
+    z = {**server.z_global, **silos.z_local}
+    return SGLDState(z, server.step, server.silo, server.rng_key)
+
+
+class FSGLD(MCMCKernel):
+    """
+    Federated SGLD with conducive gradients (El Mekkaoui et al., Algorithm 1) as a
+    NumPyro :class:`~numpyro.infer.mcmc.MCMCKernel`. One MCMC sample is one Langevin
+    step; run it with ``MCMC(...).run(rng_key, data)`` on a
+    :class:`~numpyro_fed.FederatedData`, then use ``get_samples``, ``print_summary``
+    and ``arviz.from_numpyro`` as with NUTS (local sites come back in pooled order).
+
+    :param callable model: a federated model (:func:`~numpyro_fed.federate` or
+        :class:`~numpyro_fed.silo_plate`) called with the silo arrays only.
+    :param step_size: :math:`h`, a positive float, or a callable ``t -> h_t`` of the
+        global step counter (e.g.
+        :func:`~numpyro_fed.algorithms.sgld.annealed_step_size`).
+    :param GaussianNat surrogates: one :math:`q_s` per silo, stacked, from
+        :func:`~numpyro_fed.fit_surrogates`.
+    :param int tau: local steps per visit (Algorithm 1's :math:`T`).
+    :param silo_probs: :math:`f`, visit probabilities (default uniform).
+    :param float alpha: weight of the conducive gradient (Eq. 7).
+    :param int batch_size: minibatch size ``m`` per silo (default: the whole silo).
+    :param bool replace: draw minibatches with replacement (the authors' code).
+    :param callable init_strategy: NumPyro init strategy for the initial position.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import jax, jax.numpy as jnp
+        >>> import numpyro, numpyro.distributions as dist
+        >>> from numpyro.infer import MCMC
+        >>> import numpyro_fed as nf
+        >>> def model(y):
+        ...     mu = numpyro.sample("mu", dist.Normal(0, 10))
+        ...     with nf.silo_plate("data", y.shape[0]):
+        ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
+        >>> y = jnp.arange(40.0) / 10
+        >>> data = nf.FederatedData.from_groups(jnp.arange(40) // 10, y=y)
+        >>> q = nf.fit_surrogates(model, data)
+        >>> kernel = nf.FSGLD(model, 5e-3, q, tau=10)
+        >>> mcmc = MCMC(kernel, num_warmup=200, num_samples=2000, progress_bar=False)
+        >>> mcmc.run(jax.random.key(0), data)
+        >>> mean = float(mcmc.get_samples()["mu"].mean())  # posterior: 1.95 +- 0.16
+        >>> abs(mean - 1.95) < 0.08
+        True
+    """
+
+    sample_field = "z"
+
+    def __init__(
+        self,
+        model: Callable,
+        step_size: Any,
+        surrogates: GaussianNat | None,
+        tau: int = 1,
+        silo_probs: Any = None,
+        alpha: float = 1.0,
+        batch_size: int | None = None,
+        *,
+        replace: bool = True,
+        init_strategy: Callable = init_to_uniform,
+    ) -> None:
+        self._model = model
+        self._step_size = _check_step_size(step_size)
+        if isinstance(tau, bool) or not isinstance(tau, (int, np.integer)) or tau < 1:
+            raise ValueError(
+                f"tau (local steps per visit) must be an int >= 1, got {tau!r}."
+            )
+        if batch_size is not None and (
+            not isinstance(batch_size, (int, np.integer)) or batch_size < 1
+        ):
+            raise ValueError(
+                f"batch_size must be None or an int >= 1, got {batch_size!r}."
+            )
+        if not np.isfinite(alpha):
+            raise ValueError(f"alpha must be finite, got {alpha!r}.")
+        if surrogates is not None:
+            check_surrogates(surrogates)
+        self._surrogates = surrogates
+        self._tau = int(tau)
+        self._silo_probs = _check_probs(silo_probs)
+        self._alpha = float(alpha)
+        self._batch_size = batch_size
+        self._replace = bool(replace)
+        self._init_strategy = init_strategy
+        self._built: dict = {}
+        self._sample_fn = None
+
+    # ------------------------------------------------------------ construction
+    @staticmethod
+    def _data(model_args: tuple, model_kwargs: dict | None) -> Any:
+        if (
+            model_kwargs
+            or len(model_args) != 1
+            or not isinstance(model_args[0], FederatedData)
+        ):
+            raise TypeError(
+                "Run the kernel as MCMC(kernel, ...).run(rng_key, data) with one "
+                "FederatedData; bind other model arguments with functools.partial."
+            )
+        return model_args[0]
+
+    def _setup(self, data: Any) -> tuple[FederatedPotential, SGLDConfig]:
+        layout = (data.sizes, data.padded_size) + tuple(
+            (k, v.shape, str(v.dtype)) for k, v in sorted(data.arrays.items())
+        )
+        if layout not in self._built:
+            pot = federated_potential(self._model, data)
+            f = _check_probs(self._silo_probs, data.num_silos)
+            if f is None:
+                f = np.full(data.num_silos, 1.0 / data.num_silos)
+            if self._surrogates is not None:
+                check_surrogates(self._surrogates, data.num_silos, pot.global_dim)
+            if self._batch_size is not None and not self._replace:
+                if self._batch_size > min(data.sizes):
+                    raise ValueError(
+                        f"batch_size={self._batch_size} exceeds the smallest silo "
+                        f"({min(data.sizes)} units): draw with replace=True or use a "
+                        "smaller batch."
+                    )
+            conducive = None
+            if self._surrogates is not None:
+                conducive = conducive_factors(self._surrogates, f, self._alpha)
+            cfg = SGLDConfig(
+                self._step_size,
+                self._tau,
+                jnp.asarray(f),
+                self._alpha,
+                conducive,
+                self._batch_size,
+                self._replace,
+            )
+            self._built[layout] = (pot, cfg)
+        return self._built[layout]
+
+    def potential(self, data: Any) -> FederatedPotential:
+        """The model's :class:`~numpyro_fed.potentials.FederatedPotential` on ``data``."""
+        return self._setup(data)[0]
+
+    def config(self, data: Any) -> SGLDConfig:
+        """The chain's :class:`~numpyro_fed.algorithms.sgld.SGLDConfig` on ``data``."""
+        return self._setup(data)[1]
+
+    def algorithm(
+        self,
+        data: Any,
+        steps_per_contact: int | None = None,
+        reject_nonfinite: bool = True,
+    ) -> FederatedAlgorithm:
+        """The chain as a :class:`~numpyro_fed.FederatedAlgorithm` on ``data``
+        (:func:`~numpyro_fed.algorithms.sgld.fsgld`; ``steps_per_contact`` defaults to
+        ``tau``; the kernel itself takes 1 and does not reject non-finite steps)."""
+        pot, cfg = self._setup(data)
+        return fsgld(
+            pot,
+            cfg,
+            self._init_strategy,
+            steps_per_contact=steps_per_contact,
+            reject_nonfinite=reject_nonfinite,
+        )
+
+    # -------------------------------------------------------------- NumPyro API
+    @property
+    def model(self) -> Callable:
+        """The model on pooled data, ``model(data)``, as ArviZ expects."""
+        return pooled_model(self._model)
+
+    @property
+    def default_fields(self) -> tuple[str, ...]:
+        return ("z",)
+
+    def init(
+        self, rng_key, num_warmup, init_params=None, model_args=(), model_kwargs=None
+    ):
+        """
+        :param jax.random.key rng_key: the chain's key (or one key per chain for
+            ``chain_method="vectorized"``).
+        :param int num_warmup: burn-in steps (no adaptation: counted like samples).
+        :param dict init_params: an unconstrained starting position (global sites;
+            local sites stacked ``(J, P, ...)``), or ``None`` for ``init_strategy``.
+        :return: the initial :class:`SGLDState`.
+        """
+        del num_warmup
+        data = self._data(model_args, model_kwargs)
+        pot, cfg = self._setup(data)
+        # NaNs of a diverging chain show in its samples, as with NumPyro's kernels.
+        algorithm = self.algorithm(data, steps_per_contact=1, reject_nonfinite=False)
+
+        def one(key, z=None):
+            init_key, chain_key = jax.random.split(key)
+            if z is None:
+                z = pot.init_position(init_key, data, self._init_strategy)
+            z = jax.tree.map(jnp.asarray, z)
+            server = init_chain(cfg, pot.split(z)[0], chain_key)
+            return SGLDState(z, server.step, server.silo, server.rng_key)
+
+        sample_fn = lambda state, d: _sample(algorithm, pot, state, d)
+        if is_prng_key(rng_key):
+            state = one(rng_key, init_params)
+            self._sample_fn = sample_fn
+        else:
+            state = (
+                jax.vmap(one)(rng_key, init_params)
+                if init_params is not None
+                else (jax.vmap(one)(rng_key))
+            )
+            self._sample_fn = jax.vmap(sample_fn, in_axes=(0, None))
+        return state
+
+    def sample(
+        self, state: SGLDState, model_args: tuple, model_kwargs: dict
+    ) -> SGLDState:
+        """One Langevin step: one contact of the chain's silo."""
+        return self._sample_fn(state, self._data(model_args, model_kwargs))
+
+    def postprocess_fn(self, model_args: tuple, model_kwargs: dict) -> Callable:
+        """Unconstrained position -> constrained sites, local sites in pooled order."""
+        if not model_args:
+            return identity
+        data = self._data(model_args, model_kwargs)
+        pot = self._setup(data)[0]
+
+        def constrain(z: dict) -> dict:
+            z_global, z_local = pot.split(z)
+            values = pot.constrain(z_global)
+            values.update(data.gather_units(pot.constrain(z_local)))
+            return values
+
+        return constrain
+
+    def get_diagnostics_str(self, state: SGLDState) -> str:
+        return f"silo {int(state.silo)}, h={float(self._step_size(state.step)):.2e}"
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_sample_fn"] = None
+        state["_built"] = {}
+        return state
+
+    # --------------------------------------------------------------- protocol
+    def run_protocol(
+        self,
+        rng_key: jax.Array,
+        data: Any,
+        num_rounds: int,
+        *,
+        init_params: dict | None = None,
+    ) -> ProtocolResult:
+        """
+        Run the chain as messages between a server and the silos under the sequential
+        runtime (:func:`~numpyro_fed.runtime.sequential_round`): each round the server
+        sends the chain (global position, step counter, key) to the silo it selected,
+        which returns its ``tau``-step trajectory. Starting from the same ``rng_key``
+        it reproduces ``MCMC(kernel, num_warmup=0, num_samples=num_rounds * tau)
+        .run(rng_key, data)`` draw for draw on the global sites. Bytes are read off
+        the messages' shapes (:func:`~numpyro_fed.runtime.round_bytes`).
+
+        :param jax.random.key rng_key: the chain's key (as given to ``MCMC.run``).
+        :param FederatedData data: the silos' data.
+        :param int num_rounds: chain handoffs.
+        :param dict init_params: optional unconstrained starting position.
+        :rtype: ProtocolResult
+        """
+        if not isinstance(num_rounds, int) or num_rounds < 1:
+            raise ValueError(f"num_rounds must be a positive int, got {num_rounds!r}.")
+        pot = self.potential(data)
+        first = self.init(rng_key, 0, init_params, (data,), {})
+        algorithm = jit_algorithm(self.algorithm(data))
+        z_global, z_local = pot.split(first.z)
+        server = FSGLDServerState(z_global, first.step, first.silo, first.rng_key)
+        silos = FSGLDSiloState(z_local)
+        silo_data = silo_data_of(data)
+        # Placeholders: the chain's draws come from its own key.
+        server_key = first.rng_key
+        silo_keys = jax.random.split(server_key, data.num_silos)
+        sizes = round_bytes(algorithm, server, silos, silo_data, server_key, silo_keys)
+        trajectories = []
+        for _ in range(num_rounds):
+            server, silos, info = sequential_round(
+                algorithm, server, silos, silo_data, server_key, silo_keys
+            )
+            trajectories.append(info.trajectory)
+        samples = jax.tree.map(lambda *xs: jnp.concatenate(xs), *trajectories)
+        surrogate_bytes, uploads = 0, 0
+        if self._surrogates is not None:
+            one = jax.tree.map(lambda x: x[0], self._surrogates)
+            surrogate_bytes = 2 * data.num_silos * nbytes(one)  # up once, product down
+            uploads = data.num_silos
+        stats = CommStats(
+            rounds=num_rounds,
+            steps=num_rounds * self._tau,
+            surrogate_messages=uploads,
+            surrogate_bytes=surrogate_bytes,
+            server_to_silo_messages=num_rounds,
+            server_to_silo_bytes=num_rounds * sizes.down,
+            silo_to_server_messages=num_rounds,
+            silo_to_server_bytes=num_rounds * sizes.reply,
+        )
+        return ProtocolResult(pot.constrain(samples), server, silos, stats)
+
+
+class DSGLD(FSGLD):
+    """
+    Distributed SGLD (Ahn et al. 2014; El Mekkaoui et al., Eqs. 3-4): :class:`FSGLD`
+    without the conducive gradient (:func:`~numpyro_fed.algorithms.sgld.dsgld`).
+
+    :param callable model: a federated model.
+    :param step_size: :math:`h` or a callable ``t -> h_t``.
+    :param int tau: local steps per visit.
+    :param silo_probs: :math:`f` (default uniform).
+    :param int batch_size: minibatch size per silo (default: the whole silo).
+    :param bool replace: draw minibatches with replacement.
+    :param callable init_strategy: NumPyro init strategy.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import numpyro_fed as nf
+        >>> def model(y): ...
+        >>> nf.DSGLD(model, 1e-3, tau=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: tau (local steps per visit) must be an int >= 1, got 0.
+    """
+
+    def __init__(
+        self,
+        model: Callable,
+        step_size: Any,
+        tau: int = 1,
+        silo_probs: Any = None,
+        batch_size: int | None = None,
+        *,
+        replace: bool = True,
+        init_strategy: Callable = init_to_uniform,
+    ) -> None:
+        super().__init__(
+            model,
+            step_size,
+            None,
+            tau,
+            silo_probs,
+            0.0,
+            batch_size,
+            replace=replace,
+            init_strategy=init_strategy,
+        )
