@@ -28,11 +28,13 @@ $(STAMP): $(PY) pyproject.toml
 
 venv install: $(STAMP)
 
+# Two workers (the CI machine has 2 cores); a file's tests stay on one worker so
+# module-scoped fixtures are built once.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -n 2 --dist loadfile -m slow
 
 demo: $(STAMP)
 	$(PY) examples/quickstart.py

@@ -180,7 +180,10 @@ def _assert_close(got, expected):
     assert jnp.allclose(loss, info.loss, rtol=1e-12)
 
 
-@pytest.mark.parametrize("kind", ["augmented", "power"])
+# Both algorithms share the factory and the runtimes; the second is the slow run.
+@pytest.mark.parametrize(
+    "kind", ["power", pytest.param("augmented", marks=pytest.mark.slow)]
+)
 def test_vertical_sfvi_runs_under_the_generic_runtimes(kind):
     """The factory built by hand (no VerticalSFVI in the loop): two parties of
     different structure under group_round (jitted, and eager over jitted
