@@ -297,9 +297,7 @@ class Driver:
         """Like :meth:`update`, but a round whose loss or state is not finite is not
         applied (the key still advances)."""
         new_state, loss = self.update(state, data, participating)
-        ok = jnp.isfinite(loss) & all_finite(new_state)
-        kept = tree_where(ok, new_state, state)
-        return kept._replace(rng_key=new_state.rng_key), loss
+        return _keep_if_finite(new_state, state, loss), loss
 
     def evaluate(self, state: FederatedState, data: Any) -> jax.Array:
         """The loss (negative ELBO estimate) at ``state``, without updating it."""
@@ -343,8 +341,7 @@ class Driver:
             new, info = self._round(state, data, None)
             loss = _round_loss(info, runtime)
             if stable_update:
-                ok = jnp.isfinite(loss) & all_finite(new)
-                new = tree_where(ok, new, state)._replace(rng_key=new.rng_key)
+                new = _keep_if_finite(new, state, loss)
             record = {**info._asdict(), **self._record(new), "loss": loss}
             return new, record
 
@@ -386,6 +383,15 @@ class Driver:
                         refresh=False,
                     )
         return state, jax.tree.map(lambda *x: jnp.stack(x), *records)
+
+
+def _keep_if_finite(
+    new: FederatedState, old: FederatedState, loss: jax.Array
+) -> FederatedState:
+    """``new`` if its loss and state are finite, else ``old`` with ``new``'s key
+    (NumPyro's ``stable_update``: the key chain still advances)."""
+    ok = jnp.isfinite(loss) & all_finite(new)
+    return tree_where(ok, new, old)._replace(rng_key=new.rng_key)
 
 
 class _Info:
