@@ -1,0 +1,359 @@
+# Copyright Contributors to the numpyro-fed project.
+# SPDX-License-Identifier: Apache-2.0
+"""Flower runtime: any :class:`~numpyro_fed.FederatedAlgorithm` between a Flower
+``ServerApp`` and ``ClientApp`` s on the nodes that hold the data.
+
+The server's ``@app.main()`` loop runs :class:`~numpyro_fed.runtime.remote.RemoteServer`
+(``select``, ``server_message``, ``server_step``); each node's ``train`` handler runs
+:class:`~numpyro_fed.runtime.remote.RemoteSilo` (``silo_step``) on the node's own data,
+keeping the silo state in ``context.state``, which never leaves the node. Messages
+and replies travel as one ``ArrayRecord`` of the codec's flat dict. There is no
+``Strategy`` and nothing here names an algorithm.
+
+This is the only module that imports ``flwr``: install it with
+``pip install "numpyro-fed[flower]"``.
+
+**Example** (an app module that ``flwr run`` or :func:`flwr.simulation.run_simulation`
+loads on the server and on every node)::
+
+    fit = nf.SFVI(model, guide, optax.adam(1e-2), reproducible=False)
+    layout = ...  # a FederatedData with the silos' common layout (no real data)
+
+    def federation(context):
+        return fit.federation(layout)
+
+    def load_silo(context):  # runs on the node: only its own data
+        j = int(context.node_config["silo"])
+        return j, silo_from_file(context.node_config["data"])
+
+    server = flower.server_app(federation, num_rounds=500)
+    client = flower.client_app(federation, load_silo)
+"""
+
+import logging
+import secrets
+import time
+from typing import Any, Callable
+import warnings
+import zlib
+
+import jax
+import numpy as np
+
+try:
+    from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+    from flwr.clientapp import ClientApp
+    from flwr.serverapp import Grid, ServerApp
+except ImportError as error:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "numpyro_fed.runtime.flower needs Flower: pip install 'numpyro-fed[flower]'."
+    ) from error
+
+from numpyro_fed.runtime.codec import TemplateMismatch
+from numpyro_fed.runtime.remote import Federation, RemoteServer, RemoteSilo
+
+__all__ = ["FlowerRun", "client_app", "serve", "server_app"]
+
+logger = logging.getLogger(__name__)
+
+#: Record names inside a Flower message.
+CONTENT, CONFIG, STATE, ROOT = "content", "config", "silo_state", "silo_root"
+#: The name of a fit when an app runs only one.
+DEFAULT = "fit"
+
+
+def _to_record(flat: dict) -> ArrayRecord:
+    return ArrayRecord({name: Array(np.asarray(x)) for name, x in flat.items()})
+
+
+def _from_record(record: ArrayRecord) -> dict:
+    return {name: array.numpy() for name, array in record.items()}
+
+
+class FlowerRun:
+    """What the server app hands to ``on_result``: the final server state, the info
+    of every round, and the node that served each silo."""
+
+    def __init__(self, state: Any, infos: list, nodes: dict) -> None:
+        self.state, self.infos, self.nodes = state, infos, nodes
+
+
+# ------------------------------------------------------------------- server side
+def serve(
+    grid: Grid,
+    federation: Federation,
+    num_rounds: int,
+    *,
+    name: str = DEFAULT,
+    rng_key: jax.Array | None = None,
+    round_timeout: float | None = None,
+    node_timeout: float = 120.0,
+    on_round: Callable[[int, Any], None] | None = None,
+) -> FlowerRun:
+    """
+    The server loop on a Flower ``Grid``: ``num_rounds`` rounds of
+    ``federation.algorithm`` with the nodes that serve its silos (for a ``ServerApp``
+    of your own; :func:`server_app` is this in an app).
+
+    Each round the server asks the nodes it has not seen which silo they serve,
+    forgets nodes that left the grid, contacts the silos that ``select`` names and
+    that have a node, and applies the replies that arrive within ``round_timeout``;
+    a silo without a reply did not take part in that round.
+
+    :param Grid grid: the grid of ``@app.main()``.
+    :param Federation federation: what every process agrees on.
+    :param int num_rounds: rounds to run.
+    :param str name: the fit's name, as the nodes' :func:`client_app` knows it.
+    :param rng_key: the server's key (default: drawn at random).
+    :param float round_timeout: seconds to wait for a round's replies; a late reply
+        is dropped. ``None`` waits for all.
+    :param float node_timeout: seconds to wait for every silo's node at the start.
+    :param on_round: called as ``on_round(t, info)`` after each round.
+    :return: :class:`FlowerRun`.
+    :raises TemplateMismatch: a reply that does not match the reply template (names
+        the silo, its node and the field; nothing of that round is applied).
+    """
+    if not isinstance(num_rounds, int) or num_rounds < 1:
+        raise ValueError(f"num_rounds must be a positive int, got {num_rounds!r}.")
+    server = RemoteServer(federation)
+    key = jax.random.key(secrets.randbits(63)) if rng_key is None else rng_key
+    num_silos = federation.num_silos
+    nodes = _find_silos(grid, name, num_silos, node_timeout, {})
+    state, key = server.init(key)
+    infos = []
+    for t in range(num_rounds):
+        nodes = _find_silos(grid, name, num_silos, 0.0, nodes)
+        available = np.zeros(num_silos, bool)
+        available[list(nodes)] = True
+        flat, round_ = server.messages(state, key, available)
+        replies = _exchange(grid, name, flat, nodes, t, round_timeout)
+        try:
+            state, key, info = server.apply(state, round_, replies)
+        except TemplateMismatch as error:
+            raise TemplateMismatch(
+                f"round {t}: {error} (nodes: {_named(nodes)}); nothing was applied."
+            ) from None
+        _warn_rejected(t, np.asarray(info.rejected), nodes)
+        infos.append(info)
+        if on_round is not None:
+            on_round(t, info)
+    return FlowerRun(state, infos, dict(nodes))
+
+
+def server_app(
+    make_federation: Callable[[Context], Federation],
+    num_rounds: int,
+    *,
+    on_result: Callable[[FlowerRun], None] | None = None,
+    **options: Any,
+) -> ServerApp:
+    """
+    A Flower ``ServerApp`` that runs :func:`serve`.
+
+    :param make_federation: ``context -> Federation`` (the same on every process).
+    :param int num_rounds: rounds to run.
+    :param on_result: called with the :class:`FlowerRun` at the end.
+    :param options: ``name``, ``rng_key``, ``round_timeout``, ``node_timeout``,
+        ``on_round``, as for :func:`serve`.
+    """
+    if not isinstance(num_rounds, int) or num_rounds < 1:
+        raise ValueError(f"num_rounds must be a positive int, got {num_rounds!r}.")
+    app = ServerApp()
+
+    @app.main()
+    def main(grid: Grid, context: Context) -> None:
+        run = serve(grid, make_federation(context), num_rounds, **options)
+        if on_result is not None:
+            on_result(run)
+
+    return app
+
+
+def _named(nodes: dict) -> str:
+    return ", ".join(f"silo {j} on node {n}" for j, n in sorted(nodes.items()))
+
+
+def _find_silos(
+    grid: Grid, name: str, num_silos: int, timeout: float, known: dict
+) -> dict[int, int]:
+    """``{silo: node id}``: ``known`` less the nodes that left the grid, plus the new
+    nodes, asked which silo of fit ``name`` they serve; waits up to ``timeout``
+    seconds until every silo has a node."""
+    deadline = time.monotonic() + timeout
+    while True:
+        present = set(grid.get_node_ids())
+        known = {j: n for j, n in known.items() if n in present}
+        new = sorted(present - set(known.values()))
+        if new:
+            config = RecordDict({CONFIG: ConfigRecord({"name": name})})
+            asks = [Message(config, dst_node_id=n, message_type="query") for n in new]
+            for reply in grid.send_and_receive(asks, timeout=max(timeout, 30.0)):
+                node = reply.metadata.src_node_id
+                if reply.has_error():
+                    logger.warning(
+                        "node %s did not say its silo: %s", node, reply.error.reason
+                    )
+                    continue
+                silo = int(reply.content[CONFIG]["silo"])
+                if not 0 <= silo < num_silos:
+                    raise ValueError(
+                        f"node {node} serves silo {silo} of fit {name!r}, outside "
+                        f"0..{num_silos - 1}."
+                    )
+                if silo in known and known[silo] != node:
+                    raise ValueError(
+                        f"nodes {known[silo]} and {node} both serve silo {silo} of "
+                        f"fit {name!r}."
+                    )
+                known[silo] = node
+        if len(known) >= num_silos or time.monotonic() >= deadline:
+            return known
+        time.sleep(0.1)
+
+
+def _exchange(
+    grid: Grid,
+    name: str,
+    flat: dict,
+    nodes: dict,
+    round_index: int,
+    timeout: float | None,
+) -> dict[int, dict]:
+    silo_of = {node: j for j, node in nodes.items()}
+    config = ConfigRecord({"name": name, "round": round_index})
+    messages = [
+        Message(
+            RecordDict({CONTENT: _to_record(message), CONFIG: config}),
+            dst_node_id=nodes[j],
+            message_type="train",
+        )
+        for j, message in flat.items()
+    ]
+    replies = {}
+    for reply in grid.send_and_receive(messages, timeout=timeout):
+        node = reply.metadata.src_node_id
+        j = silo_of.get(node)
+        if j is None:
+            continue
+        if reply.has_error():
+            logger.warning(
+                "round %d: silo %d (node %s) failed: %s",
+                round_index,
+                j,
+                node,
+                reply.error.reason,
+            )
+            continue
+        replies[j] = _from_record(reply.content[CONTENT])
+    missing = sorted(set(flat) - set(replies))
+    if missing:
+        logger.warning(
+            "round %d: no reply from silos %s; they do not take part in it.",
+            round_index,
+            missing,
+        )
+    return replies
+
+
+def _warn_rejected(round_index: int, rejected: np.ndarray, nodes: dict) -> None:
+    silos = np.flatnonzero(rejected)
+    if silos.size:
+        warnings.warn(
+            f"round {round_index}: the server rejected the replies of "
+            + ", ".join(f"silo {j} (node {nodes.get(int(j))})" for j in silos)
+            + " as not finite or not valid; the state is as if they had not taken part.",
+            stacklevel=2,
+        )
+
+
+# ------------------------------------------------------------------- silo side
+_FEDERATIONS: dict = {}
+_SILOS: dict = {}
+
+
+def _process_cache() -> tuple[dict, dict]:
+    # The apps' handlers are closures, which Ray pickles by value with copies of the
+    # globals they name; a module-level function is pickled by reference, so this
+    # returns the caches of the process the handler runs in.
+    return _FEDERATIONS, _SILOS
+
+
+def client_app(
+    make_federation: Callable[[Context], Federation] | None = None,
+    load_silo: Callable[[Context], tuple[int, Any]] | None = None,
+    *,
+    fits: dict | None = None,
+    root_key: Callable[[Context], jax.Array] | None = None,
+) -> ClientApp:
+    """
+    A Flower ``ClientApp`` that runs ``silo_step`` on the node's own data.
+
+    :param make_federation: ``context -> Federation`` (the same on every process).
+    :param load_silo: ``context -> (silo index, SiloData)``: the node's own data,
+        padded to the federation's layout; called once per node and process.
+    :param dict fits: instead of the two above, ``{name: (make_federation,
+        load_silo)}`` for a node that serves several fits (the server's
+        :func:`serve` names the fit in each message).
+    :param root_key: ``context -> key``: the silo's root key. By default each node
+        draws one at random and keeps it in ``context.state`` (it is never sent).
+    """
+    if fits is None:
+        if make_federation is None or load_silo is None:
+            raise TypeError("client_app needs make_federation and load_silo, or fits.")
+        fits = {DEFAULT: (make_federation, load_silo)}
+    app = ClientApp()
+
+    def silo_of(context: Context, name: str) -> tuple[int, RemoteSilo]:
+        if name not in fits:
+            raise KeyError(f"this node serves the fits {sorted(fits)}, not {name!r}.")
+        # A simulation actor serves many nodes and a deployed node many messages:
+        # build the federation once per run and the silo once per node, so the
+        # compiled silo step is reused.
+        make, load = fits[name]
+        federations, silos = _process_cache()
+        if (context.run_id, name) not in federations:
+            federations[context.run_id, name] = make(context)
+        cache_key = (context.run_id, context.node_id, name)
+        if cache_key not in silos:
+            index, data = load(context)
+            federation = federations[context.run_id, name]
+            silo = RemoteSilo(federation, data, _root(context, root_key, name))
+            silos[cache_key] = (int(index), silo)
+        return silos[cache_key]
+
+    @app.query()
+    def query(message: Message, context: Context) -> Message:
+        index, _ = silo_of(context, str(message.content[CONFIG]["name"]))
+        reply = RecordDict({CONFIG: ConfigRecord({"silo": index})})
+        return Message(reply, reply_to=message)
+
+    @app.train()
+    def train(message: Message, context: Context) -> Message:
+        config = message.content[CONFIG]
+        name = str(config["name"])
+        _, silo = silo_of(context, name)
+        state = context.state.get(f"{name}/{STATE}")
+        reply, state = silo.step(
+            _from_record(message.content[CONTENT]),
+            None if state is None else _from_record(state),
+            int(config["round"]),
+        )
+        context.state[f"{name}/{STATE}"] = _to_record(state)
+        return Message(RecordDict({CONTENT: _to_record(reply)}), reply_to=message)
+
+    return app
+
+
+def _root(context: Context, root_key: Callable | None, name: str) -> jax.Array:
+    if root_key is not None:
+        return jax.random.fold_in(root_key(context), _name_data(name))
+    stored = context.state.get(ROOT)
+    if stored is None:
+        stored = ConfigRecord({"seed": secrets.randbits(63)})
+        context.state[ROOT] = stored
+    return jax.random.fold_in(jax.random.key(int(stored["seed"])), _name_data(name))
+
+
+def _name_data(name: str) -> int:
+    # A fit's keys differ from another fit's on the same node.
+    return zlib.crc32(name.encode())

@@ -1,0 +1,103 @@
+# Copyright Contributors to the numpyro-fed project.
+# SPDX-License-Identifier: Apache-2.0
+"""Every algorithm through Flower's simulation engine gives the server state that
+runtime/simulate.py gives with the same keys (float tolerance), with the silo states
+kept on the nodes."""
+
+import os
+import zlib
+
+import pytest
+
+pytest.importorskip("flwr")
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from numpyro_fed.protocol import silo_data_of  # noqa: E402
+from numpyro_fed.runtime import flower  # noqa: E402
+from numpyro_fed.util import take  # noqa: E402
+from tests import _models as m  # noqa: E402
+from tests.algorithms.test_contract import CASES  # noqa: E402
+from tests.runtime.test_remote import federation_of, simulated  # noqa: E402
+
+NUM_ROUNDS = 3
+ROOT_SEED = 11
+
+
+def _federation(name):
+    def make(context):
+        jax.config.update("jax_enable_x64", True)  # the actors are fresh processes
+        return federation_of(CASES[name]())
+
+    return make
+
+
+def _load_silo(name):
+    def load(context):
+        j = int(context.node_config["partition-id"])
+        return j, take(silo_data_of(CASES[name]().data), j)
+
+    return load
+
+
+def _roots(name):
+    """The silos' root keys as the nodes derive them from ``root_key``."""
+    roots = jax.random.split(jax.random.key(ROOT_SEED), 3)
+    return jax.vmap(lambda r: jax.random.fold_in(r, zlib.crc32(name.encode())))(roots)
+
+
+def _root(context):
+    j = int(context.node_config["partition-id"])
+    return jax.random.split(jax.random.key(ROOT_SEED), 3)[j]
+
+
+@pytest.fixture(scope="module")
+def flower_runs():
+    """Every case as a named fit, one after another, in ONE simulation (the engine
+    starts Ray and its actors once)."""
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation
+
+    runs = {}
+    server = ServerApp()
+
+    @server.main()
+    def main(grid, context):
+        for name in sorted(CASES):
+            fed = _federation(name)(context)
+            runs[name] = flower.serve(
+                grid, fed, NUM_ROUNDS, name=name, rng_key=jax.random.key(5)
+            )
+
+    fits = {name: (_federation(name), _load_silo(name)) for name in CASES}
+    client = flower.client_app(fits=fits, root_key=_root)
+    run_simulation(
+        server,
+        client,
+        num_supernodes=3,
+        backend_config={"client_resources": {"num_cpus": 2, "num_gpus": 0}},
+    )
+    assert sorted(runs) == sorted(CASES), "the server app did not finish"
+    return runs
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_flower_simulation_equals_simulate(flower_runs, name):
+    run = flower_runs[name]
+    case = CASES[name]()
+    fed = federation_of(case)
+    sim, infos = simulated(
+        fed,
+        silo_data_of(case.data),
+        _roots(name),
+        jax.random.key(5),
+        NUM_ROUNDS,
+        lambda t: np.ones(fed.num_silos, bool),
+    )
+    assert sorted(run.nodes) == [0, 1, 2]
+    m.tree_allclose(run.state, sim, rtol=1e-6, atol=1e-8)
+    for a, b in zip(run.infos, infos, strict=True):
+        m.tree_allclose(a.loss, b.loss, rtol=1e-6, atol=1e-8)
