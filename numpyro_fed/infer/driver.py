@@ -27,7 +27,8 @@ from numpyro_fed.runtime import (
     sequential_round,
     simulate_round,
 )
-from numpyro_fed.util import all_finite, tree_where
+from numpyro_fed.runtime.remote import Federation
+from numpyro_fed.util import all_finite, take, tree_where
 
 __all__ = ["Driver", "FederatedState", "RunResult", "RUNTIMES"]
 
@@ -168,6 +169,39 @@ class Driver:
                 round_fn = partial(sequential_round, jit_algorithm(algorithm))
             self._built[layout] = (algorithm, round_fn)
         return self._built[layout]
+
+    def federation(self, data: Any) -> Federation:
+        """
+        What the processes of a deployed run agree on for this data layout: the
+        algorithm, the number of silos, one silo's data layout and the server's key
+        chain, for :mod:`numpyro_fed.runtime.flower` (or any transport over
+        :mod:`numpyro_fed.runtime.remote`).
+
+        ``data`` only gives the layout (silo count, padded units, array shapes); in a
+        deployment it can be zeros of that layout. Each silo then draws its own keys,
+        so a deployed SFVI is ``reproducible=False``.
+
+        :param FederatedData data: the silos' data, or zeros of their layout.
+        :rtype: ~numpyro_fed.runtime.remote.Federation
+        """
+        algorithm, _ = self._build(data)
+        silo_data = self._silo_data(data)
+        if not hasattr(silo_data, "mask"):
+            raise NotImplementedError(
+                f"{type(self).__name__} runs its silos in groups of different "
+                "structure, which the remote runtimes do not carry yet."
+            )
+        num_silos = data.num_silos
+        _, _, silo_keys = jax.eval_shape(
+            lambda key: self._round_keys(key, num_silos), jax.random.key(0)
+        )
+        return Federation(
+            algorithm,
+            num_silos,
+            jax.eval_shape(lambda: take(silo_data, 0)),
+            lambda key: self._round_keys(key, num_silos)[:2],
+            jax.ShapeDtypeStruct(silo_keys.shape[1:], silo_keys.dtype),
+        )
 
     def _check(self, state: FederatedState, data: Any) -> None:
         leaves = jax.tree.leaves(state.silos)

@@ -25,7 +25,7 @@ from numpyro_fed.expfam import GaussianNat, from_loc_scale, gaussian_prior, kl
 from numpyro_fed.families.structured import AutoMeanField, AutoStructured
 from numpyro_fed.infer.driver import Driver, FederatedState, RunResult
 from numpyro_fed.infer.posterior import sample_structured
-from numpyro_fed.infer.vi import check_optimizer, check_positive_int
+from numpyro_fed.infer.vi import check_optimizer, check_positive_int, local_params
 from numpyro_fed.util import constrain
 
 __all__ = ["FedGVI", "InvalidCavity", "PVI", "PVIParams"]
@@ -356,7 +356,7 @@ class PVI(Driver):
         return PVIParams(
             constrain(self.guide.theta_constraints(), state.server.theta),
             guide_params(state.server.q, self.guide.global_cov == "full"),
-            constrain(local_c, state.silos.eta_local),
+            local_params(local_c, state.silos),
         )
 
     def refines_prior(self, data: Any) -> bool:

@@ -49,6 +49,12 @@ def check_optimizer(name: str, optim: Any) -> None:
         )
 
 
+def local_params(constraints: dict, silos: Any) -> dict:
+    """The constrained local parameters of the silos' states; ``{}`` for a deployed
+    run's server, which holds no silo state (``FederatedState(server, None, None)``)."""
+    return {} if silos is None else constrain(constraints, silos.eta_local)
+
+
 def check_positive_int(name: str, value: Any) -> None:
     """Raise unless ``value`` is a positive int."""
     if not isinstance(value, int) or value < 1:
@@ -144,9 +150,10 @@ class SFVI(Driver):
         if self.reproducible:
             silo_keys = jnp.broadcast_to(keys, (num_silos,) + keys.shape)
         else:
+            flat = keys.reshape(-1)
             silo_keys = jax.vmap(
-                lambda j: jax.tree.map(lambda k: jax.random.fold_in(k, j), keys)
-            )(jnp.arange(num_silos))
+                lambda j: jax.vmap(jax.random.fold_in, (0, None))(flat, j)
+            )(jnp.arange(num_silos)).reshape((num_silos,) + keys.shape)
         return rng_key, keys, silo_keys
 
     def _unconstrained(self, params: SFVIParams) -> tuple[dict, dict, dict]:
@@ -168,12 +175,13 @@ class SFVI(Driver):
         return server, SFVISiloState(eta_l, silo_optim)
 
     def get_params(self, state: FederatedState) -> SFVIParams:
-        """The constrained parameters of ``state``."""
+        """The constrained parameters of ``state`` (``state.silos`` may be ``None``:
+        a deployed server's view, without local parameters)."""
         glob_c, loc_c = self.guide.param_constraints()
         return SFVIParams(
             constrain(self.guide.theta_constraints(), state.server.theta),
             constrain(glob_c, state.server.eta_global),
-            constrain(loc_c, state.silos.eta_local),
+            local_params(loc_c, state.silos),
         )
 
     def sample_posterior(

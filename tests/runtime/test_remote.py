@@ -116,3 +116,30 @@ def test_a_silo_with_data_of_another_layout_is_refused():
     short = jax.tree.map(lambda x: x[:2], data)
     with pytest.raises(ValueError, match="do not have the federation's layout"):
         RemoteSilo(fed, short, jax.random.key(1))
+
+
+def test_a_user_class_gives_its_federation():
+    """``SFVI.federation(data)`` carries the class's algorithm and key chain: a
+    remote run equals the simulated one with the silos' own keys, and the server's
+    view gives the global parameters."""
+    import optax
+
+    import numpyro_fed as nf
+    from numpyro_fed.infer.driver import FederatedState
+
+    arrays = m.hierarchical_data(num_groups=7, num_obs=4)
+    data = nf.FederatedData.from_groups(m.split_groups(7, 3), **arrays)
+    model = nf.federate(m.hierarchical, silos="group")
+    fit = nf.SFVI(model, nf.AutoStructured(model), optax.adam(0.05), num_particles=2)
+    fed = fit.federation(data)
+    assert fed.num_silos == 3 and fed.silo_key_like.shape == (2,)
+    silo_data = silo_data_of(data)
+    roots = jax.random.split(jax.random.key(2), 3)
+    everyone = lambda t: np.ones(3, bool)  # noqa: E731
+    remote, _ = run_remote(
+        fed, [take(silo_data, j) for j in range(3)], list(roots), jax.random.key(0), 4
+    )
+    sim, _ = simulated(fed, silo_data, roots, jax.random.key(0), 4, everyone)
+    m.tree_allclose(remote, sim, rtol=1e-10, atol=1e-12)
+    params = fit.get_params(FederatedState(remote, None, None))
+    assert params.eta_local == {} and set(params.eta_global) >= {"loc", "scale"}
