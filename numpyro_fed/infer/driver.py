@@ -25,6 +25,8 @@ from numpyro_fed.runtime import (
     event_round,
     event_schedule,
     sequential_round,
+    sharded_round,
+    silo_mesh,
     simulate_round,
 )
 from numpyro_fed.runtime.remote import Federation
@@ -32,7 +34,7 @@ from numpyro_fed.util import all_finite, take, tree_where
 
 __all__ = ["Driver", "FederatedState", "RunResult", "RUNTIMES"]
 
-RUNTIMES = ("simulate", "sequential", "events")
+RUNTIMES = ("simulate", "sequential", "events", "sharded")
 
 
 class FederatedState(NamedTuple):
@@ -82,7 +84,9 @@ class Driver:
         ``"sequential"`` (one silo after another, in Python) or ``"events"`` (one
         silo at a time in ``order``, the server updating after each reply; with
         ``max_staleness > 0`` silos read messages up to that many updates old: the
-        asynchronous schedule).
+        asynchronous schedule). ``"sharded"`` is ``"simulate"`` with the silos spread
+        over all local devices (:func:`~numpyro_fed.runtime.sharded_round`; the
+        server side runs replicated).
     :param float participation: fraction of silos taking part in each round, drawn
         uniformly at random.
     :param str order: ``"cyclic"`` or ``"random"`` visiting order (events runtime).
@@ -161,6 +165,8 @@ class Driver:
             algorithm = self._make_algorithm(data)
             if self.runtime == "simulate":
                 round_fn = jax.jit(partial(simulate_round, algorithm))
+            elif self.runtime == "sharded":
+                round_fn = jax.jit(partial(sharded_round, algorithm, silo_mesh()))
             elif self.runtime == "events":
                 round_fn = jax.jit(
                     partial(event_round, algorithm, max_staleness=self.max_staleness)

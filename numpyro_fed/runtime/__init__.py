@@ -6,6 +6,7 @@ from numpyro_fed.runtime.accounting import RoundBytes, round_bytes
 from numpyro_fed.runtime.contact import contact_round
 from numpyro_fed.runtime.events import EventSchedule, event_round, event_schedule
 from numpyro_fed.runtime.sequential import sequential_round
+from numpyro_fed.runtime.sharded import sharded_round, silo_mesh
 from numpyro_fed.runtime.simulate import simulate_round
 
 __all__ = [
@@ -16,5 +17,7 @@ __all__ = [
     "event_schedule",
     "round_bytes",
     "sequential_round",
+    "sharded_round",
+    "silo_mesh",
     "simulate_round",
 ]
