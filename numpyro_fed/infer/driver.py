@@ -377,26 +377,6 @@ class Driver:
             raise ValueError(f"num_steps must be a positive int, got {num_steps!r}.")
         if checkpoint_dir is None and (checkpoint_every is not None or resume):
             raise ValueError("checkpoint_every and resume need a checkpoint_dir.")
-        state = (
-            init_state
-            if init_state is not None
-            else self.init(rng_key, data, init_params=init_params)
-        )
-        self._check(state, data)
-        runtime = self.runtime
-
-        def step(state, participating=None):
-            new, info = self._round(state, data, participating)
-            loss = _round_loss(info, runtime)
-            if stable_update:
-                new = _keep_if_finite(new, state, loss)
-            record = {**info._asdict(), **self._record(new), "loss": loss}
-            return new, record
-
-        if runtime == "sequential":  # a Python loop over silos: never traced
-            step_fn = step
-        else:
-            step_fn = jax.jit(step)
         saver, done, past = None, 0, None
         if checkpoint_dir is not None:
             saver = RunCheckpoints(
@@ -404,20 +384,29 @@ class Driver:
                 self._run_meta(data, stable_update),
                 every=checkpoint_every,
             )
-            if resume:
-                everyone = jnp.ones((data.num_silos,), bool)  # shapes only
-                record = jax.eval_shape(lambda s: step(s, everyone)[1], state)
-                state, past, done = saver.load(state, record, num_steps)
+            if resume:  # another run's checkpoint is refused before any work
+                saver.check_meta(num_steps)
             else:
                 saver.check_empty()
+        state = (
+            init_state
+            if init_state is not None
+            else self.init(rng_key, data, init_params=init_params)
+        )
+        self._check(state, data)
+        step, step_fn, scans = self._run_fns(data, stable_update)
+        if resume:
+            everyone = jnp.ones((data.num_silos,), bool)  # shapes only
+            record = jax.eval_shape(lambda s: step(s, everyone)[1], state)
+            state, past, done = saver.load(state, record, num_steps)
         if done == num_steps:
-            history = past
+            history = None  # all rounds are in the checkpoint's history
         elif (
             not progress_bar
-            and runtime != "sequential"
+            and self.runtime != "sequential"
             and num_steps >= self.min_scan_steps
         ):
-            state, history = self._scan(step_fn, state, done, num_steps, saver)
+            state, history = self._scan(scans, state, done, num_steps, saver)
         else:
             state, history = self._loop(step_fn, state, num_steps, progress_bar, saver)
         history = concat_rounds(past, history)
@@ -436,20 +425,54 @@ class Driver:
             "data_layout": repr(self._layout(data)),
         }
 
-    def _scan(self, step_fn, state, done: int, num_steps: int, saver):
+    def _run_fns(self, data: Any, stable_update: bool):
+        """``(step, jitted step, scans)`` of :meth:`run`: one round with its record,
+        and ``scans(length)``, ``length`` rounds in one ``lax.scan``. Kept for the
+        last data and options, so that a second run (a resumed one) compiles
+        nothing new."""
+        options = (
+            stable_update,
+            self.runtime,
+            self.participation,
+            self.order,
+            self.max_staleness,
+        )
+        cached = self._built.get("run")
+        if cached is not None and cached[0] is data and cached[1] == options:
+            return cached[2]
+        runtime = self.runtime
+
+        def step(state, participating=None):
+            new, info = self._round(state, data, participating)
+            loss = _round_loss(info, runtime)
+            if stable_update:
+                new = _keep_if_finite(new, state, loss)
+            record = {**info._asdict(), **self._record(new), "loss": loss}
+            return new, record
+
+        # The sequential runtime is a Python loop over silos: never traced.
+        step_fn = step if runtime == "sequential" else jax.jit(step)
+        compiled = {}
+
+        def scans(length: int):
+            if length not in compiled:
+                compiled[length] = jax.jit(
+                    partial(lax.scan, lambda s, _: step_fn(s), length=length)
+                )
+            return compiled[length]
+
+        self._built["run"] = (data, options, (step, step_fn, scans))
+        return step, step_fn, scans
+
+    def _scan(self, scans, state, done: int, num_steps: int, saver):
         """Rounds ``done + 1 .. num_steps`` in ``lax.scan`` chunks that end at the
         checkpoints and at ``num_steps`` (one chunk without checkpoints)."""
-        chunks, scans = [], {}
+        chunks = []
         start = done
         while start < num_steps:
             stop = num_steps if saver is None else saver.next_stop(start, num_steps)
-            length = stop - start
-            if length not in scans:
-                scans[length] = jax.jit(
-                    partial(lax.scan, lambda s, _: step_fn(s), length=length)
-                )
             before = state
-            state, history = scans[length](state)
+            state, history = scans(stop - start)(state)
             self._check_info(before, _Info(history))
             chunks.append(history)
             if saver is not None:

@@ -34,6 +34,7 @@ __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
     "RunCheckpoints",
+    "checkpoint_meta",
     "checkpoint_steps",
     "concat_rounds",
     "latest_checkpoint",
@@ -187,25 +188,10 @@ def load_checkpoint(
         format version); a checkpoint of another tree (named field, shape or
         dtype), or whose metadata differ from ``expect_meta`` (named entry).
     """
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise CheckpointError(f"No checkpoint directory {directory}.")
-    path = latest_checkpoint(directory)
-    if path is None:
-        raise CheckpointError(f"No checkpoint in {directory}.")
+    path = _newest(directory)
     header, flat = _read(path)
     step, meta = header["step"], header["meta"]
-    if expect_meta is not None:
-        # Compare as stored: JSON turns tuples into lists.
-        expected = json.loads(json.dumps(expect_meta))
-        for name, value in expected.items():
-            if name not in meta:
-                raise CheckpointError(f"{path} has no {name!r} in its metadata.")
-            if meta[name] != value:
-                raise CheckpointError(
-                    f"{path} was written with {name}={meta[name]!r}; this run has "
-                    f"{name}={value!r}."
-                )
+    _check_meta(path, meta, expect_meta)
     if callable(template):
         template = template(step, meta)
     source = f"Checkpoint {path}"
@@ -231,12 +217,53 @@ def load_checkpoint(
     return tree, step, meta
 
 
-def _read(path: Path) -> tuple[dict, dict]:
-    """The header and ``{field: array}`` of one file; any damage is a
-    :class:`CheckpointError` naming it."""
+def checkpoint_meta(
+    directory: str | os.PathLike, *, expect_meta: dict | None = None
+) -> tuple[int, dict]:
+    """
+    The step and metadata of the newest checkpoint in ``directory``, without
+    reading its arrays (to refuse another run's checkpoint before any work).
+
+    :raises CheckpointError: as :func:`load_checkpoint`, for the directory, the
+        metadata and ``expect_meta``.
+    """
+    path = _newest(directory)
+    header, _ = _read(path, arrays=False)
+    _check_meta(path, header["meta"], expect_meta)
+    return header["step"], header["meta"]
+
+
+def _newest(directory: str | os.PathLike) -> Path:
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise CheckpointError(f"No checkpoint directory {directory}.")
+    path = latest_checkpoint(directory)
+    if path is None:
+        raise CheckpointError(f"No checkpoint in {directory}.")
+    return path
+
+
+def _check_meta(path: Path, meta: dict, expect_meta: dict | None) -> None:
+    if expect_meta is None:
+        return
+    # Compare as stored: JSON turns tuples into lists.
+    for name, value in json.loads(json.dumps(expect_meta)).items():
+        if name not in meta:
+            raise CheckpointError(f"{path} has no {name!r} in its metadata.")
+        if meta[name] != value:
+            raise CheckpointError(
+                f"{path} was written with {name}={meta[name]!r}; this run has "
+                f"{name}={value!r}."
+            )
+
+
+def _read(path: Path, arrays: bool = True) -> tuple[dict, dict]:
+    """The header and ``{field: array}`` of one file (only the header: ``arrays``
+    False); any damage is a :class:`CheckpointError` naming it."""
     try:
         with np.load(path, allow_pickle=False) as npz:
-            raw = {name: npz[name] for name in npz.files}
+            names = npz.files if arrays else [n for n in npz.files if n == _META]
+            raw = {name: npz[name] for name in names}
     except (zipfile.BadZipFile, OSError, EOFError, ValueError, KeyError) as e:
         raise CheckpointError(
             f"{path} is not a readable checkpoint ({type(e).__name__}: {e})."
@@ -254,6 +281,8 @@ def _read(path: Path) -> tuple[dict, dict]:
             f"{path} has format version {header.get('format')!r}; this version of "
             f"numpyro-fed reads version {FORMAT_VERSION}."
         )
+    if not arrays:
+        return header, {}
     if sorted(raw) != sorted(f"leaf_{i}" for i in range(len(fields))) or len(
         dtypes
     ) != len(fields):
@@ -323,6 +352,16 @@ class RunCheckpoints:
             raise CheckpointError(
                 f"{self.directory} already holds a checkpoint ({last.name}): resume "
                 "that run, or use an empty directory."
+            )
+
+    def check_meta(self, num_steps: int) -> None:
+        """Refuse, before any work, a checkpoint of another run or one beyond
+        ``num_steps`` rounds."""
+        done, _ = checkpoint_meta(self.directory, expect_meta=self.meta)
+        if done > num_steps:
+            raise CheckpointError(
+                f"The checkpoint in {self.directory} is after round {done}, beyond "
+                f"num_steps={num_steps}."
             )
 
     def load(self, state: Any, record: Any, num_steps: int) -> tuple[Any, Any, int]:
