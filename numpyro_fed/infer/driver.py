@@ -340,7 +340,8 @@ class Driver:
         :param FederatedData data: the silos' data.
         :param bool progress_bar: show a tqdm bar (otherwise ``lax.scan``).
         :param bool stable_update: skip rounds whose result is not finite.
-        :param init_state: resume from this state.
+        :param init_state: resume from this state (with ``resume``, only its
+            layout is used).
         :param init_params: start from these parameters (warm start).
         :param int checkpoint_every: save every this many rounds (default: at the
             end only).

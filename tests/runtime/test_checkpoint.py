@@ -154,6 +154,14 @@ def test_a_checkpoint_of_another_tree_or_run_is_refused(tmp_path):
     rbg = {**_tree(), "key": jax.random.split(jax.random.key(0, impl="rbg"), 2)}
     with pytest.raises(CheckpointError, match=r"\['key'\]"):
         load_checkpoint(tmp_path, rbg)
+    # the same key data, another implementation: caught by the fingerprint
+    save_checkpoint(tmp_path / "rbg", rbg, step=1)
+    unsafe = {
+        **_tree(),
+        "key": jax.random.split(jax.random.key(0, impl="unsafe_rbg"), 2),
+    }
+    with pytest.raises(CheckpointError, match=r"holds \['key'\]:key<rbg>"):
+        load_checkpoint(tmp_path / "rbg", unsafe)
     with pytest.raises(CheckpointError, match="algorithm='SFVI'; this run has "):
         load_checkpoint(tmp_path, _tree(), expect_meta={"algorithm": "PVI"})
     with pytest.raises(CheckpointError, match="no 'runtime'"):
