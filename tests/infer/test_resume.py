@@ -170,3 +170,22 @@ def test_a_checkpoint_of_another_run_is_refused(tmp_path):
         MAKE["SFVI"]().run(key, 4, data, checkpoint_dir=tmp_path / "x", resume=True)
     with pytest.raises(ValueError, match="need a checkpoint_dir"):
         MAKE["SFVI"]().run(key, 4, data, resume=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("runtime", ["simulate", "sequential"])
+def test_vertical_sfvi_resumes_bit_for_bit(runtime, tmp_path):
+    from tests.vertical import _fixtures as fx
+
+    data = fx.gaussian_data()
+    vfl = nf.VerticalSFVI(
+        nf.augment(fx.gaussian_model(), 0.5),
+        nf.VerticalFamily(),
+        optax.adam(0.05),
+        runtime=runtime,
+    )
+    key, kw = jax.random.key(0), {"progress_bar": False, "checkpoint_every": 3}
+    whole = vfl.run(key, 6, data, progress_bar=False)
+    vfl.run(key, 4, data, checkpoint_dir=tmp_path, **kw)
+    resumed = vfl.run(key, 6, data, checkpoint_dir=tmp_path, resume=True, **kw)
+    assert_same_run(resumed, whole)
