@@ -11,6 +11,7 @@ A subclass (``SFVI``, ``PVI``, ...) only says which factory to build
 """
 
 from functools import partial
+import os
 from typing import Any, NamedTuple
 import warnings
 
@@ -29,6 +30,7 @@ from numpyro_fed.runtime import (
     silo_mesh,
     simulate_round,
 )
+from numpyro_fed.runtime.checkpoint import RunCheckpoints, concat_rounds
 from numpyro_fed.runtime.remote import Federation
 from numpyro_fed.util import all_finite, take, tree_where
 
@@ -353,76 +355,195 @@ class Driver:
         stable_update: bool = False,
         init_state: FederatedState | None = None,
         init_params: Any = None,
+        checkpoint_every: int | None = None,
+        checkpoint_dir: str | os.PathLike | None = None,
+        resume: bool = False,
     ) -> RunResult:
         """
-        Run ``num_steps`` rounds: inside one ``lax.scan`` without a progress bar,
+        Run ``num_steps`` rounds: inside ``lax.scan`` without a progress bar,
         otherwise one jitted round at a time under a tqdm bar (NumPyro's two modes).
 
-        :param jax.random.key rng_key: random key (ignored with ``init_state``).
-        :param int num_steps: number of rounds.
+        With ``checkpoint_dir``, the state and the history so far are written there
+        (atomically, see :mod:`~numpyro_fed.runtime.checkpoint`) every
+        ``checkpoint_every`` rounds and at the end; the scan then runs in chunks of
+        ``checkpoint_every`` rounds, which gives the same result as one scan. With
+        ``resume=True`` the run starts from the newest checkpoint there and runs
+        only the remaining rounds of ``num_steps``: a run killed after round m and
+        resumed ends bit for bit where an uninterrupted run ends (same runtime
+        options and mode). A checkpoint of another algorithm, model, data layout or
+        runtime option is refused with a
+        :class:`~numpyro_fed.runtime.checkpoint.CheckpointError`.
+
+        :param jax.random.key rng_key: random key (ignored with ``init_state`` or
+            when resuming).
+        :param int num_steps: number of rounds (in all, when resuming).
         :param FederatedData data: the silos' data.
-        :param bool progress_bar: show a tqdm bar (otherwise one ``lax.scan``).
+        :param bool progress_bar: show a tqdm bar (otherwise ``lax.scan``).
         :param bool stable_update: skip rounds whose result is not finite.
-        :param init_state: resume from this state.
+        :param init_state: resume from this state (with ``resume``, only its
+            layout is used).
         :param init_params: start from these parameters (warm start).
-        :return: :class:`RunResult`.
+        :param int checkpoint_every: save every this many rounds (default: at the
+            end only).
+        :param checkpoint_dir: directory of the checkpoints; a run that does not
+            resume needs it empty (or new).
+        :param bool resume: continue from the newest checkpoint in
+            ``checkpoint_dir``.
+        :return: :class:`RunResult`, with the history of all ``num_steps`` rounds.
+
+        **Example:**
+
+        .. doctest::
+
+            >>> import tempfile
+            >>> import jax, jax.numpy as jnp, optax
+            >>> import numpyro, numpyro.distributions as dist
+            >>> import numpyro_fed as nf
+            >>> def model(y):
+            ...     mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+            ...     with numpyro.plate("data", y.shape[0]):
+            ...         numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+            >>> data = nf.FederatedData.from_groups([0, 0, 1, 1], y=jnp.arange(4.0))
+            >>> fed = nf.federate(model, silos="data")
+            >>> svi = nf.SFVI(fed, nf.AutoMeanField(fed), optax.adam(0.1))
+            >>> key = jax.random.key(0)
+            >>> with tempfile.TemporaryDirectory() as d:  # killed after 20 rounds...
+            ...     _ = svi.run(key, 20, data, checkpoint_every=10, checkpoint_dir=d)
+            ...     resumed = svi.run(key, 50, data, checkpoint_dir=d, resume=True)
+            >>> whole = svi.run(key, 50, data)
+            >>> bool(jnp.all(resumed.losses == whole.losses))
+            True
         """
         if not isinstance(num_steps, int) or num_steps < 1:
             raise ValueError(f"num_steps must be a positive int, got {num_steps!r}.")
+        if checkpoint_dir is None and (checkpoint_every is not None or resume):
+            raise ValueError("checkpoint_every and resume need a checkpoint_dir.")
+        saver, done, past = None, 0, None
+        if checkpoint_dir is not None:
+            saver = RunCheckpoints(
+                checkpoint_dir,
+                self._run_meta(data, stable_update),
+                every=checkpoint_every,
+            )
+            if resume:  # another run's checkpoint is refused before any work
+                saver.check_meta(num_steps)
+            else:
+                saver.check_empty()
         state = (
             init_state
             if init_state is not None
             else self.init(rng_key, data, init_params=init_params)
         )
         self._check(state, data)
+        step, step_fn, scans = self._run_fns(data, stable_update)
+        if resume:
+            everyone = jnp.ones((data.num_silos,), bool)  # shapes only
+            record = jax.eval_shape(lambda s: step(s, everyone)[1], state)
+            state, past, done = saver.load(state, record, num_steps)
+        if done == num_steps:
+            history = None  # all rounds are in the checkpoint's history
+        elif (
+            not progress_bar
+            and self.runtime != "sequential"
+            and num_steps >= self.min_scan_steps
+        ):
+            state, history = self._scan(scans, state, done, num_steps, saver)
+        else:
+            state, history = self._loop(step_fn, state, num_steps, progress_bar, saver)
+        history = concat_rounds(past, history)
+        _warn_rejected(type(self).__name__, history)
+        return RunResult(self.get_params(state), state, history["loss"], history)
+
+    def _run_meta(self, data: Any, stable_update: bool) -> dict:
+        """What a resumed run must share with the run that wrote the checkpoint."""
+        return {
+            "algorithm": type(self).__name__,
+            "runtime": self.runtime,
+            "participation": self.participation,
+            "order": self.order,
+            "max_staleness": self.max_staleness,
+            "stable_update": bool(stable_update),
+            "data_layout": repr(self._layout(data)),
+        }
+
+    def _run_fns(self, data: Any, stable_update: bool):
+        """``(step, jitted step, scans)`` of :meth:`run`: one round with its record,
+        and ``scans(length)``, ``length`` rounds in one ``lax.scan``. Kept for the
+        last data and options, so that a second run (a resumed one) compiles
+        nothing new."""
+        options = (
+            stable_update,
+            self.runtime,
+            self.participation,
+            self.order,
+            self.max_staleness,
+        )
+        cached = self._built.get("run")
+        if cached is not None and cached[0] is data and cached[1] == options:
+            return cached[2]
         runtime = self.runtime
 
-        def step(state):
-            new, info = self._round(state, data, None)
+        def step(state, participating=None):
+            new, info = self._round(state, data, participating)
             loss = _round_loss(info, runtime)
             if stable_update:
                 new = _keep_if_finite(new, state, loss)
             record = {**info._asdict(), **self._record(new), "loss": loss}
             return new, record
 
-        if runtime == "sequential":  # a Python loop over silos: never traced
-            step_fn = step
-        else:
-            step_fn = jax.jit(step)
-        if (
-            not progress_bar
-            and runtime != "sequential"
-            and num_steps >= self.min_scan_steps
-        ):
-            start = state
-            state, history = lax.scan(
-                lambda s, _: step_fn(s), state, None, length=num_steps
-            )
-            self._check_info(start, _Info(history))
-        else:
-            state, history = self._loop(step_fn, state, num_steps, progress_bar)
-        _warn_rejected(type(self).__name__, history)
-        return RunResult(self.get_params(state), state, history["loss"], history)
+        # The sequential runtime is a Python loop over silos: never traced.
+        step_fn = step if runtime == "sequential" else jax.jit(step)
+        compiled = {}
 
-    def _loop(self, step_fn, state, num_steps: int, progress_bar: bool):
+        def scans(length: int):
+            if length not in compiled:
+                compiled[length] = jax.jit(
+                    partial(lax.scan, lambda s, _: step_fn(s), length=length)
+                )
+            return compiled[length]
+
+        self._built["run"] = (data, options, (step, step_fn, scans))
+        return step, step_fn, scans
+
+    def _scan(self, scans, state, done: int, num_steps: int, saver):
+        """Rounds ``done + 1 .. num_steps`` in ``lax.scan`` chunks that end at the
+        checkpoints and at ``num_steps`` (one chunk without checkpoints)."""
+        chunks = []
+        start = done
+        while start < num_steps:
+            stop = num_steps if saver is None else saver.next_stop(start, num_steps)
+            before = state
+            state, history = scans(stop - start)(state)
+            self._check_info(before, _Info(history))
+            chunks.append(history)
+            if saver is not None:
+                saver.save(state, concat_rounds(*chunks), stop)
+            start = stop
+        return state, concat_rounds(*chunks)
+
+    def _loop(self, step_fn, state, num_steps: int, progress_bar: bool, saver=None):
+        """One jitted round at a time (after the rounds ``saver`` resumed from)."""
         records = []
+        done = 0 if saver is None else saver.done
         batch = max(num_steps // 20, 1)
         with trange(
-            1, num_steps + 1, desc=self.description, disable=not progress_bar
+            done + 1, num_steps + 1, desc=self.description, disable=not progress_bar
         ) as bar:
             for i in bar:
                 before = state
                 state, record = step_fn(state)
                 self._check_info(before, _Info(record))
                 records.append(record)
+                if saver is not None and saver.next_stop(i - 1, num_steps) == i:
+                    saver.save(state, _stack(records), i)
                 if progress_bar and i % batch == 0:
                     recent = [r["loss"] for r in records[-batch:]]
                     recent = np.asarray(jax.device_get(jnp.stack(recent)))
                     bar.set_postfix_str(
-                        f"avg. loss [{i - batch + 1}-{i}]: {recent.mean():.4f}",
+                        f"avg. loss [{i - len(recent) + 1}-{i}]: {recent.mean():.4f}",
                         refresh=False,
                     )
-        return state, jax.tree.map(lambda *x: jnp.stack(x), *records)
+        return state, _stack(records)
 
 
 def _keep_if_finite(
@@ -462,3 +583,7 @@ def _warn_rejected(name: str, history: dict) -> None:
         "see result.history['rejected'].",
         stacklevel=3,
     )
+
+
+def _stack(records: list) -> dict:
+    return jax.tree.map(lambda *x: jnp.stack(x), *records)
