@@ -1,0 +1,182 @@
+# Copyright Contributors to the numpyro-fed project.
+# SPDX-License-Identifier: Apache-2.0
+"""Faults on Flower's simulation engine, all in one simulation: a node that fails
+for two rounds and comes back, a straggler past the round timeout, a node whose
+replies are not finite, and a node whose reply does not match the template. Each run
+is compared with the simulated run in which those silos did not take part."""
+
+import functools
+import os
+import time
+import warnings
+import zlib
+
+import pytest
+
+pytest.importorskip("flwr")
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from numpyro_fed.protocol import silo_data_of  # noqa: E402
+from numpyro_fed.runtime import flower  # noqa: E402
+from numpyro_fed.runtime.codec import TemplateMismatch  # noqa: E402
+from numpyro_fed.util import all_finite, take  # noqa: E402
+from tests import _models as m  # noqa: E402
+from tests.algorithms.test_contract import CASES  # noqa: E402
+from tests.runtime.test_remote import federation_of, simulated  # noqa: E402
+
+ROOT_SEED = 11
+# The straggler comes last: its node sleeps past the end of the simulation.
+FAULTS = ("crash", "nonfinite", "malformed", "straggler")
+ROUNDS = {"crash": 4, "straggler": 2, "nonfinite": 2, "malformed": 2}
+
+
+def _silo_data(name):
+    """Every silo's data; silo 0's overflow (NaN replies) in the "nonfinite" fit."""
+    data = silo_data_of(CASES["sfvi"]().data)
+    return CASES["sfvi"]().poison(data, 0) if name == "nonfinite" else data
+
+
+@functools.cache
+def _shared():
+    return federation_of(CASES["sfvi"]())
+
+
+def _federation(context):
+    # One federation for every fit: compiled once, so round 0 fits in the timeout.
+    jax.config.update("jax_enable_x64", True)
+    return _shared()
+
+
+def _loader(name):
+    def load(context):
+        j = int(context.node_config["partition-id"])
+        return j, take(_silo_data(name), j)
+
+    return load
+
+
+def _root(context):
+    return jax.random.split(jax.random.key(ROOT_SEED), 3)[
+        int(context.node_config["partition-id"])
+    ]
+
+
+def _roots(name):
+    roots = jax.random.split(jax.random.key(ROOT_SEED), 3)
+    return jax.vmap(lambda r: jax.random.fold_in(r, zlib.crc32(name.encode())))(roots)
+
+
+def _faulty_client():
+    from flwr.app import ArrayRecord
+    from flwr.clientapp import ClientApp
+
+    inner = flower.client_app(
+        fits={name: (_federation, _loader(name)) for name in FAULTS}, root_key=_root
+    )
+    app = ClientApp()
+
+    @app.query()
+    def query(message, context):
+        return inner(message, context)
+
+    @app.train()
+    def train(message, context):
+        j = int(context.node_config["partition-id"])
+        name = str(message.content["config"]["name"])
+        t = int(message.content["config"]["round"])
+        if name == "crash" and j == 1 and t in (1, 2):
+            raise RuntimeError("node lost")
+        if name == "straggler" and j == 2 and t == 1:
+            time.sleep(30.0)
+        reply = inner(message, context)
+        if name == "malformed" and j == 1 and t == 1:
+            content = reply.content["content"]
+            first = sorted(content.keys())[0]
+            reply.content["content"] = ArrayRecord(
+                {k: v for k, v in content.items() if k != first}
+            )
+        return reply
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def runs():
+    from flwr.serverapp import ServerApp
+    from flwr.simulation import run_simulation
+
+    out = {}
+    server = ServerApp()
+
+    @server.main()
+    def main(grid, context):
+        for name in FAULTS:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    out[name] = flower.serve(
+                        grid,
+                        _federation(context),
+                        ROUNDS[name],
+                        name=name,
+                        rng_key=jax.random.key(5),
+                        round_timeout=12.0 if name == "straggler" else 120.0,
+                    )
+                except TemplateMismatch as error:
+                    out[name] = error
+            out[name + "/warnings"] = [str(w.message) for w in caught]
+
+    run_simulation(
+        server,
+        _faulty_client(),
+        num_supernodes=3,
+        backend_config={"client_resources": {"num_cpus": 1, "num_gpus": 0}},
+    )
+    assert all(name in out for name in FAULTS), "the server app did not finish"
+    return out
+
+
+def _expected(name, absent):
+    fed = federation_of(CASES["sfvi"]())
+    return simulated(
+        fed,
+        _silo_data(name),
+        _roots(name),
+        jax.random.key(5),
+        ROUNDS[name],
+        lambda t: np.arange(3) != absent.get(t, -1),
+    )
+
+
+def test_a_node_that_fails_is_left_out_and_rejoins(runs):
+    sim, infos = _expected("crash", {1: 1, 2: 1})
+    m.tree_allclose(runs["crash"].state, sim, rtol=1e-6, atol=1e-8)
+    assert sorted(runs["crash"].nodes) == [0, 1, 2]  # back for round 3
+
+
+def test_a_straggler_past_the_timeout_is_dropped(runs):
+    sim, _ = _expected("straggler", {1: 2})
+    m.tree_allclose(runs["straggler"].state, sim, rtol=1e-6, atol=1e-8)
+
+
+def test_non_finite_replies_are_rejected_named_and_do_not_touch_the_state(runs):
+    run = runs["nonfinite"]
+    assert bool(all_finite(run.state))
+    assert [np.asarray(i.rejected).tolist() for i in run.infos] == [
+        [True, False, False]
+    ] * 2
+    sim, _ = _expected("nonfinite", {})
+    m.tree_allclose(run.state, sim, rtol=1e-6, atol=1e-8)
+    assert any("silo 0 (node" in w for w in runs["nonfinite/warnings"])
+
+
+def test_a_malformed_reply_stops_the_run_naming_node_and_field(runs):
+    error = runs["malformed"]
+    assert isinstance(error, TemplateMismatch)
+    text = str(error)
+    assert "round 1: silo 1's reply lacks field" in text
+    assert "silo 1 on node" in text and "nothing was applied" in text
