@@ -79,6 +79,7 @@ def save_checkpoint(
     step: int,
     meta: dict | None = None,
     keep: int = 2,
+    discard_later: bool = False,
 ) -> Path:
     """
     Write ``tree`` as the checkpoint of ``step`` in ``directory`` (created if
@@ -90,9 +91,11 @@ def save_checkpoint(
     :param dict meta: JSON-serialisable facts to check on reading (the algorithm,
         the runtime options, the data layout).
     :param int keep: how many checkpoints to keep (at least 1).
+    :param bool discard_later: delete checkpoints of later steps first (a run that
+        went back to ``step`` abandons them) instead of refusing.
     :return: the path written.
     :raises CheckpointError: ``directory`` holds a checkpoint of a later step (it
-        belongs to another run).
+        belongs to another run) and ``discard_later`` is False.
 
     **Example:**
 
@@ -117,6 +120,10 @@ def save_checkpoint(
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     steps = checkpoint_steps(directory)
+    if discard_later:
+        for later in (s for s in steps if s > step):
+            _path(directory, later).unlink()
+        steps = [s for s in steps if s <= step]
     if steps and steps[-1] > step:
         raise CheckpointError(
             f"{directory} holds a checkpoint of step {steps[-1]}, later than step "
@@ -172,9 +179,11 @@ def load_checkpoint(
     template: Any,
     *,
     expect_meta: dict | None = None,
+    step: int | None = None,
 ) -> tuple[Any, int, dict]:
     """
-    Read the newest checkpoint in ``directory`` against ``template``.
+    Read the newest checkpoint in ``directory`` (or that of ``step``) against
+    ``template``.
 
     :param directory: where :func:`save_checkpoint` wrote.
     :param template: a tree with the expected structure, shapes and dtypes (leaves
@@ -182,6 +191,7 @@ def load_checkpoint(
         returning one, for trees whose shapes grow with the step (a history).
     :param dict expect_meta: entries the stored metadata must have, with these
         values.
+    :param int step: read this step's checkpoint instead of the newest.
     :return: ``(tree, step, meta)``.
     :raises CheckpointError: no such directory or no checkpoint in it; a file that
         is not a whole checkpoint (truncated, not an ``.npz``, bad metadata, another
@@ -189,6 +199,13 @@ def load_checkpoint(
         dtype), or whose metadata differ from ``expect_meta`` (named entry).
     """
     path = _newest(directory)
+    if step is not None:
+        path = _path(Path(directory), step)
+        if not path.is_file():
+            raise CheckpointError(
+                f"No checkpoint of step {step} in {directory} (it has steps "
+                f"{checkpoint_steps(directory)})."
+            )
     header, flat = _read(path)
     step, meta = header["step"], header["meta"]
     _check_meta(path, meta, expect_meta)

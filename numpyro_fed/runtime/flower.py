@@ -31,6 +31,7 @@ loads on the server and on every node)::
 """
 
 import logging
+import os
 import secrets
 import time
 from typing import Any, Callable
@@ -49,7 +50,13 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         "numpyro_fed.runtime.flower needs Flower: pip install 'numpyro-fed[flower]'."
     ) from error
 
-from numpyro_fed.runtime.codec import TemplateMismatch
+from numpyro_fed.runtime.checkpoint import (
+    checkpoint_meta,
+    checkpoint_steps,
+    load_checkpoint,
+    save_checkpoint,
+)
+from numpyro_fed.runtime.codec import TemplateMismatch, decode, encode
 from numpyro_fed.runtime.remote import Federation, RemoteServer, RemoteSilo
 
 __all__ = ["FlowerRun", "client_app", "serve", "server_app"]
@@ -58,6 +65,7 @@ logger = logging.getLogger(__name__)
 
 #: Record names inside a Flower message.
 CONTENT, CONFIG, STATE, ROOT = "content", "config", "silo_state", "silo_root"
+DONE = "rounds_done"
 #: The name of a fit when an app runs only one.
 DEFAULT = "fit"
 
@@ -89,6 +97,9 @@ def serve(
     round_timeout: float | None = None,
     node_timeout: float = 120.0,
     on_round: Callable[[int, Any], None] | None = None,
+    checkpoint_every: int | None = None,
+    checkpoint_dir: str | None = None,
+    resume: bool = False,
 ) -> FlowerRun:
     """
     The server loop on a Flower ``Grid``: ``num_rounds`` rounds of
@@ -109,6 +120,12 @@ def serve(
         is dropped. ``None`` waits for all.
     :param float node_timeout: seconds to wait for every silo's node at the start.
     :param on_round: called as ``on_round(t, info)`` after each round.
+    :param int checkpoint_every: write the server state and key to
+        ``checkpoint_dir`` after every this many rounds; the nodes keep their silo
+        states as of the same rounds (:func:`client_app`'s ``checkpoint_dir``).
+    :param str checkpoint_dir: the server's checkpoint directory.
+    :param bool resume: continue from the newest checkpoint in ``checkpoint_dir``
+        up to ``num_rounds`` rounds in all (``infos`` then holds the rounds run now).
     :return: :class:`FlowerRun`.
     :raises TemplateMismatch: a reply that does not match the reply template (names
         the silo, its node and the field; nothing of that round is applied).
@@ -118,15 +135,24 @@ def serve(
     server = RemoteServer(federation)
     key = jax.random.key(secrets.randbits(63)) if rng_key is None else rng_key
     num_silos = federation.num_silos
+    every = _check_checkpointing(checkpoint_every, checkpoint_dir, resume)
+    meta = {"fit": name, "num_silos": num_silos}
     nodes = _find_silos(grid, name, num_silos, node_timeout, {})
     state, key = server.init(key)
+    start = 0
+    if resume:
+        saved, start, _ = load_checkpoint(
+            checkpoint_dir, {"server": state, "rng_key": key}, expect_meta=meta
+        )
+        state, key = saved["server"], saved["rng_key"]
     infos = []
-    for t in range(num_rounds):
+    for t in range(start, num_rounds):
         nodes = _find_silos(grid, name, num_silos, 0.0, nodes)
         available = np.zeros(num_silos, bool)
         available[list(nodes)] = True
         flat, round_ = server.messages(state, key, available)
-        replies = _exchange(grid, name, flat, nodes, t, round_timeout)
+        config = {"name": name, "round": t, "start": start, "every": every or 0}
+        replies = _exchange(grid, config, flat, nodes, round_timeout)
         try:
             state, key, info = server.apply(state, round_, replies)
         except TemplateMismatch as error:
@@ -135,9 +161,20 @@ def serve(
             ) from None
         _warn_rejected(t, np.asarray(info.rejected), nodes)
         infos.append(info)
+        if every is not None and (t + 1) % every == 0:
+            state_and_key = {"server": state, "rng_key": key}
+            save_checkpoint(checkpoint_dir, state_and_key, step=t + 1, meta=meta)
         if on_round is not None:
             on_round(t, info)
     return FlowerRun(state, infos, dict(nodes))
+
+
+def _check_checkpointing(every: int | None, directory: Any, resume: bool):
+    if every is not None and (not isinstance(every, int) or every < 1):
+        raise ValueError(f"checkpoint_every must be a positive int, got {every!r}.")
+    if (every is not None or resume) and directory is None:
+        raise ValueError("checkpoint_every and resume need a checkpoint_dir.")
+    return every
 
 
 def server_app(
@@ -212,15 +249,11 @@ def _find_silos(
 
 
 def _exchange(
-    grid: Grid,
-    name: str,
-    flat: dict,
-    nodes: dict,
-    round_index: int,
-    timeout: float | None,
+    grid: Grid, config: dict, flat: dict, nodes: dict, timeout: float | None
 ) -> dict[int, dict]:
+    round_index = config["round"]
     silo_of = {node: j for j, node in nodes.items()}
-    config = ConfigRecord({"name": name, "round": round_index})
+    config = ConfigRecord(config)
     messages = [
         Message(
             RecordDict({CONTENT: _to_record(message), CONFIG: config}),
@@ -284,6 +317,7 @@ def client_app(
     *,
     fits: dict | None = None,
     root_key: Callable[[Context], jax.Array] | None = None,
+    checkpoint_dir: Callable[[Context], str] | None = None,
 ) -> ClientApp:
     """
     A Flower ``ClientApp`` that runs ``silo_step`` on the node's own data.
@@ -296,6 +330,10 @@ def client_app(
         :func:`serve` names the fit in each message).
     :param root_key: ``context -> key``: the silo's root key. By default each node
         draws one at random and keeps it in ``context.state`` (it is never sent).
+    :param checkpoint_dir: ``context -> directory``: where the node writes its silo
+        state when the server checkpoints, and reads it back when the server resumes
+        from a round the node's state is not at (e.g. after a restart). The silo
+        state never leaves the node, so the node keeps its own checkpoints.
     """
     if fits is None:
         if make_federation is None or load_silo is None:
@@ -332,16 +370,82 @@ def client_app(
         config = message.content[CONFIG]
         name = str(config["name"])
         _, silo = silo_of(context, name)
-        state = context.state.get(f"{name}/{STATE}")
-        reply, state = silo.step(
-            _from_record(message.content[CONTENT]),
-            None if state is None else _from_record(state),
-            int(config["round"]),
-        )
+        config = {k: int(config[k]) for k in ("round", "start", "every")}
+        t, start, every = config["round"], config["start"], config["every"]
+        directory = None
+        if checkpoint_dir is not None:  # one directory per fit
+            directory = os.path.join(checkpoint_dir(context), name)
+        state, done = _silo_state(context, silo, name, config, directory)
+        if directory is not None and every:
+            # This state is the silo's as of every checkpoint round from `done` to
+            # t: the server may resume from any of them (the newest two kept).
+            rounds = [b for b in range(max(done, 1), t + 1) if b % every == 0][-2:]
+            for b in rounds:
+                _save_silo(directory, silo, state, b, context)
+        reply, state = silo.step(_from_record(message.content[CONTENT]), state, t)
         context.state[f"{name}/{STATE}"] = _to_record(state)
+        context.state[f"{name}/{DONE}"] = ConfigRecord(
+            {"rounds": t + 1, "start": start}
+        )
+        if directory is not None and every and (t + 1) % every == 0:
+            _save_silo(directory, silo, state, t + 1, context)
         return Message(RecordDict({CONTENT: _to_record(reply)}), reply_to=message)
 
     return app
+
+
+def _silo_state(
+    context: Context, silo: RemoteSilo, name: str, config: dict, directory: Any
+) -> tuple[dict | None, int]:
+    """``(flat silo state, rounds done)`` to step from (``None``: a fresh silo).
+
+    The node's own state, unless the server went back to its checkpoint of round
+    ``start`` after the node had moved past it: then the node's checkpoint of that
+    round. A node without a state (its first contact, or it restarted) takes its
+    newest checkpoint of this run, or of round ``start`` in a resumed run; without
+    any, the silo had not stepped by then and starts fresh."""
+    start = config["start"]
+    state, done = (context.state.get(f"{name}/{k}") for k in (STATE, DONE))
+    if state is not None:
+        rounds, served = int(done["rounds"]), int(done["start"])
+        if served == start or rounds <= start:
+            return _from_record(state), rounds
+        if directory is None:
+            raise RuntimeError(
+                f"fit {name!r}: the server resumed from round {start}, which this "
+                "node's silo state has moved past, and the node has no "
+                "checkpoint_dir to go back with."
+            )
+    steps = [] if directory is None else checkpoint_steps(directory)
+    if start > 0:
+        if start not in steps:
+            if any(step <= start for step in steps):
+                raise RuntimeError(
+                    f"fit {name!r}: the server resumed from round {start} and this "
+                    f"node has no checkpoint of it (it has rounds {steps})."
+                )
+            return None, 0
+        meta = {"fit": name}
+    else:
+        if not steps:
+            return None, 0
+        meta = {"fit": name, "run": context.run_id}
+        if checkpoint_meta(directory)[1].get("run") != context.run_id:
+            return None, 0  # another run's checkpoints: this run starts afresh
+    tree, step, _ = load_checkpoint(
+        directory,
+        silo.templates["silo"],
+        expect_meta=meta,
+        step=start if start > 0 else None,
+    )
+    return encode(tree), step
+
+
+def _save_silo(directory: str, silo: RemoteSilo, state: dict, step: int, context):
+    name = os.path.basename(directory)
+    tree = decode(state, silo.templates["silo"], source="the silo state")
+    meta = {"fit": name, "run": context.run_id}
+    save_checkpoint(directory, tree, step=step, meta=meta, discard_later=True)
 
 
 def _root(context: Context, root_key: Callable | None, name: str) -> jax.Array:

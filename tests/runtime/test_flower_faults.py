@@ -7,6 +7,7 @@ is compared with the simulated run in which those silos did not take part."""
 
 import functools
 import os
+import tempfile
 import time
 import warnings
 import zlib
@@ -30,8 +31,9 @@ from tests.runtime.test_remote import federation_of, simulated  # noqa: E402
 
 ROOT_SEED = 11
 # The straggler comes last: its node sleeps past the end of the simulation.
-FAULTS = ("crash", "nonfinite", "malformed", "straggler")
-ROUNDS = {"crash": 4, "straggler": 2, "nonfinite": 2, "malformed": 2}
+FAULTS = ("crash", "nonfinite", "malformed", "resume", "straggler")
+ROUNDS = {"crash": 4, "straggler": 2, "nonfinite": 2, "malformed": 2, "resume": 4}
+CHECKPOINTS = tempfile.mkdtemp(prefix="numpyro-fed-flower-")
 
 
 def _silo_data(name):
@@ -75,7 +77,11 @@ def _faulty_client():
     from flwr.clientapp import ClientApp
 
     inner = flower.client_app(
-        fits={name: (_federation, _loader(name)) for name in FAULTS}, root_key=_root
+        fits={name: (_federation, _loader(name)) for name in FAULTS},
+        root_key=_root,
+        checkpoint_dir=lambda ctx: os.path.join(
+            CHECKPOINTS, f"node{ctx.node_config['partition-id']}"
+        ),
     )
     app = ClientApp()
 
@@ -115,6 +121,9 @@ def runs():
     @server.main()
     def main(grid, context):
         for name in FAULTS:
+            if name == "resume":
+                out[name] = _killed_and_resumed(grid, context)
+                continue
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 try:
@@ -138,6 +147,28 @@ def runs():
     )
     assert all(name in out for name in FAULTS), "the server app did not finish"
     return out
+
+
+def _killed_and_resumed(grid, context):
+    """The server dies after round 2 (its last checkpoint: after round 1), the nodes
+    have gone past it; a new server resumes and the nodes go back to their own
+    checkpoints."""
+
+    def die(t, info):
+        if t == 2:
+            raise KeyboardInterrupt
+
+    options = dict(
+        name="resume",
+        rng_key=jax.random.key(5),
+        checkpoint_every=2,
+        checkpoint_dir=os.path.join(CHECKPOINTS, "server"),
+    )
+    try:
+        flower.serve(grid, _federation(context), 4, on_round=die, **options)
+    except KeyboardInterrupt:
+        pass
+    return flower.serve(grid, _federation(context), 4, resume=True, **options)
 
 
 def _expected(name, absent):
@@ -180,3 +211,14 @@ def test_a_malformed_reply_stops_the_run_naming_node_and_field(runs):
     text = str(error)
     assert "round 1: silo 1's reply lacks field" in text
     assert "silo 1 on node" in text and "nothing was applied" in text
+
+
+def test_a_killed_server_resumes_from_checkpoints_with_the_nodes(runs):
+    run = runs["resume"]
+    assert len(run.infos) == 2  # rounds 2 and 3, after the checkpoint of round 2
+    sim, _ = _expected("resume", {})
+    m.tree_allclose(run.state, sim, rtol=1e-6, atol=1e-8)
+    assert sorted(os.listdir(os.path.join(CHECKPOINTS, "node0", "resume"))) == [
+        "checkpoint-000000002.npz",
+        "checkpoint-000000004.npz",
+    ]
