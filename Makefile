@@ -6,6 +6,9 @@ STAMP := $(VENV)/.installed
 
 export JAX_PLATFORMS := cpu
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# Flower offline: no telemetry, no update check.
+export FLWR_TELEMETRY_ENABLED := 0
+export FLWR_DISABLE_UPDATE_CHECK := 1
 
 .DELETE_ON_ERROR:
 .PHONY: venv install test test-slow demo bench lint clean
@@ -23,7 +26,7 @@ $(STAMP): $(PY) pyproject.toml
 	@$(PY) -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null || { \
 	  echo "$(VENV) does not run Python >= 3.12; run 'make clean' and try again." >&2; exit 1; }
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dev,examples]"
+	$(PY) -m pip install --quiet -e ".[dev,examples,flower]"
 	@touch $@
 
 venv install: $(STAMP)
