@@ -68,9 +68,11 @@ def test_loopback_deployment(tmp_path):
     sd = np.asarray(nuts["sd"])
     assert np.all(np.isfinite(flower["loc"]))
     np.testing.assert_array_less(
-        np.abs(np.subtract(flower["loc"], simulate["loc"])), 0.25 * sd
+        np.abs(np.subtract(flower["loc"], simulate["loc"])), 0.5 * sd
     )
-    np.testing.assert_allclose(flower["scale"], simulate["scale"], rtol=0.2)
+    np.testing.assert_allclose(flower["scale"], simulate["scale"], rtol=0.3)
+    # and the fit moved from the prior N(0, 1): two coefficients are far from 0
+    assert np.sum(np.abs(flower["loc"]) > 0.8) == 2
     np.testing.assert_array_less(
         np.abs(np.subtract(flower["loc"], nuts["mean"])), 0.5 * sd
     )
