@@ -35,6 +35,7 @@ import json
 import os
 from pathlib import Path
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -154,6 +155,7 @@ def loopback(args, data, rounds, **options):
     left = deployment.left()
     assert not left, f"processes left: {left}"
     lines = [json.loads(line) for line in timing.read_text().splitlines()]
+    shutil.rmtree(workdir, ignore_errors=True)
     train = [x for x in lines if x["type"] == "train"][3 * args.warmup :]
 
     def median(first, last):
