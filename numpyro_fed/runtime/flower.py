@@ -68,6 +68,9 @@ CONTENT, CONFIG, STATE, ROOT = "content", "config", "silo_state", "silo_root"
 DONE = "rounds_done"
 #: The name of a fit when an app runs only one.
 DEFAULT = "fit"
+#: Seconds between the server's polls for replies (``Grid.send_and_receive`` of a
+#: deployed Flower 1.42 grid sleeps 3 s between polls, longer than a round takes).
+POLL_INTERVAL = 0.02
 
 
 def _to_record(flat: dict) -> ArrayRecord:
@@ -224,7 +227,7 @@ def _find_silos(
         if new:
             config = RecordDict({CONFIG: ConfigRecord({"name": name})})
             asks = [Message(config, dst_node_id=n, message_type="query") for n in new]
-            for reply in grid.send_and_receive(asks, timeout=max(timeout, 30.0)):
+            for reply in _send_and_receive(grid, asks, max(timeout, 30.0)):
                 node = reply.metadata.src_node_id
                 if reply.has_error():
                     logger.warning(
@@ -263,7 +266,7 @@ def _exchange(
         for j, message in flat.items()
     ]
     replies = {}
-    for reply in grid.send_and_receive(messages, timeout=timeout):
+    for reply in _send_and_receive(grid, messages, timeout):
         node = reply.metadata.src_node_id
         j = silo_of.get(node)
         if j is None:
@@ -285,6 +288,24 @@ def _exchange(
             round_index,
             missing,
         )
+    return replies
+
+
+def _send_and_receive(
+    grid: Grid, messages: list, timeout: float | None
+) -> list[Message]:
+    """The replies to ``messages`` that arrive within ``timeout`` seconds (``None``:
+    all), polled every :data:`POLL_INTERVAL` seconds."""
+    waiting = set(grid.push_messages(messages))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    replies: list[Message] = []
+    while waiting:
+        for reply in grid.pull_messages(waiting):
+            waiting.discard(reply.metadata.reply_to_message_id)
+            replies.append(reply)
+        if not waiting or (deadline is not None and time.monotonic() >= deadline):
+            break
+        time.sleep(POLL_INTERVAL)
     return replies
 
 
