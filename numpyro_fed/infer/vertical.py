@@ -171,18 +171,11 @@ class VerticalSFVI(Driver):
             raise TypeError(
                 f"family must be a VerticalFamily, got {type(family).__name__}."
             )
-        if runtime == "sharded":
-            # shard_map runs one program on every device (SPMD); parties of
-            # different structure would each need their own (MPMD).
-            raise NotImplementedError(
-                "VerticalSFVI cannot run with runtime='sharded': its parties are "
-                "silos of different structure (stepped by group_round), and the "
-                "sharded runtime shards one silo structure over the devices. Use "
-                "runtime='simulate' or 'sequential'."
-            )
         if runtime not in ("simulate", "sequential"):
-            raise ValueError(
-                f"runtime must be 'simulate' or 'sequential', got {runtime!r}."
+            # e.g. "sharded": one SPMD program cannot step parties of different structure
+            raise (NotImplementedError if runtime == "sharded" else ValueError)(
+                "VerticalSFVI's parties are silos of different structure: runtime "
+                f"must be 'simulate' or 'sequential', got {runtime!r}."
             )
         if not isinstance(optim, (dict, optax.GradientTransformation)):
             raise TypeError(
