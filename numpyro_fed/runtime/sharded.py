@@ -9,6 +9,7 @@ server side (``select``, ``server_message``, ``server_step``) runs replicated. T
 result is :func:`~numpyro_fed.runtime.simulate.simulate_round`'s, to float
 tolerance. It works for any :class:`~numpyro_fed.FederatedAlgorithm`."""
 
+from functools import partial
 from typing import Any
 
 import jax
@@ -16,8 +17,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
-from numpyro_fed.runtime.simulate import contacted_silos
-from numpyro_fed.util import rows_where
+from numpyro_fed.runtime.simulate import simulate_round, vmap_silos
 
 __all__ = ["SILO_AXIS", "sharded_round", "silo_mesh"]
 
@@ -133,18 +133,30 @@ def sharded_round(
         in this round (default: all).
     :return: ``(server_state, silo_states, info)``.
     """
-    num_silos = silo_data.mask.shape[0]
+    _num_shards(mesh)  # a mesh without a "silos" axis is refused before any work
+    return simulate_round(
+        algorithm,
+        server_state,
+        silo_states,
+        silo_data,
+        server_key,
+        silo_keys,
+        participating,
+        step_silos=partial(_sharded_silos, mesh),
+    )
+
+
+def _sharded_silos(mesh: Mesh, silo_step, message: Message, states, data, keys):
+    """:func:`~numpyro_fed.runtime.simulate.vmap_silos` with the silos split over
+    the mesh axis (padded with inert copies to a multiple of the device count)."""
+    num_silos = data.mask.shape[0]
     shards = _num_shards(mesh)
     padded = -(-num_silos // shards) * shards
-    contacted = contacted_silos(
-        algorithm, server_state, server_key, num_silos, participating
-    )
-    message = algorithm.server_message(server_state, server_key)
 
     def silo_side(broadcast, routed, states, data, keys):
-        replies, states = jax.vmap(
-            algorithm.silo_step, in_axes=(Message(None, 0), 0, 0, 0)
-        )(Message(broadcast, routed), states, data, keys)
+        replies, states = vmap_silos(
+            silo_step, Message(broadcast, routed), states, data, keys
+        )
         # Every device gets every reply: the server side runs replicated.
         replies = jax.lax.all_gather(replies, SILO_AXIS, tiled=True)
         return replies, states
@@ -160,19 +172,6 @@ def sharded_round(
         check_vma=False,
     )(
         message.broadcast,
-        *_pad_rows(
-            (message.routed, silo_states, silo_data, silo_keys), num_silos, padded
-        ),
+        *_pad_rows((message.routed, states, data, keys), num_silos, padded),
     )
-    if padded != num_silos:
-        replies, new_states = jax.tree.map(
-            lambda x: x[:num_silos], (replies, new_states)
-        )
-    if contacted is None:
-        contacted = jnp.ones((num_silos,), bool)
-    else:
-        new_states = rows_where(contacted, new_states, silo_states)
-    server_state, info = algorithm.server_step(
-        server_state, replies, server_key, contacted
-    )
-    return server_state, new_states, info
+    return jax.tree.map(lambda x: x[:num_silos], (replies, new_states))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData, select_all
 from numpyro_fed.util import rows_where
 
-__all__ = ["contacted_silos", "simulate_round"]
+__all__ = ["contacted_silos", "simulate_round", "vmap_silos"]
 
 
 def contacted_silos(
@@ -29,6 +29,16 @@ def contacted_silos(
     return chosen if participating is None else chosen & participating
 
 
+def vmap_silos(
+    silo_step: Any, message: Message, states: Any, data: SiloData, keys: jax.Array
+) -> tuple[Any, Any]:
+    """Every silo's ``silo_step`` at once under :func:`jax.vmap` (the routed part of
+    ``message`` and the silos' states, data and keys along a leading silo axis)."""
+    return jax.vmap(silo_step, in_axes=(Message(None, 0), 0, 0, 0))(
+        message, states, data, keys
+    )
+
+
 def simulate_round(
     algorithm: FederatedAlgorithm,
     server_state: Any,
@@ -37,6 +47,8 @@ def simulate_round(
     server_key: jax.Array,
     silo_keys: jax.Array,
     participating: jax.Array | None = None,
+    *,
+    step_silos: Any = vmap_silos,
 ) -> tuple[Any, Any, Any]:
     """
     One round with every silo stepped at once under :func:`jax.vmap`.
@@ -53,6 +65,8 @@ def simulate_round(
     :param jax.Array silo_keys: one key per silo (leading silo axis).
     :param jax.Array participating: optional ``(J,)`` booleans: the silos taking part
         in this round (default: all).
+    :param step_silos: how all silos are stepped, as :func:`vmap_silos` (the sharded
+        runtime spreads them over devices).
     :return: ``(server_state, silo_states, info)``.
     """
     num_silos = silo_data.mask.shape[0]
@@ -60,9 +74,9 @@ def simulate_round(
         algorithm, server_state, server_key, num_silos, participating
     )
     message = algorithm.server_message(server_state, server_key)
-    replies, new_states = jax.vmap(
-        algorithm.silo_step, in_axes=(Message(None, 0), 0, 0, 0)
-    )(message, silo_states, silo_data, silo_keys)
+    replies, new_states = step_silos(
+        algorithm.silo_step, message, silo_states, silo_data, silo_keys
+    )
     if contacted is None:
         contacted = jnp.ones((num_silos,), bool)
     else:
