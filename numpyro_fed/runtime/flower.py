@@ -34,7 +34,7 @@ import logging
 import os
 import secrets
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 import warnings
 import zlib
 
@@ -51,6 +51,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     ) from error
 
 from numpyro_fed.runtime.checkpoint import (
+    CheckpointError,
     checkpoint_meta,
     checkpoint_steps,
     load_checkpoint,
@@ -81,12 +82,17 @@ def _from_record(record: ArrayRecord) -> dict:
     return {name: array.numpy() for name, array in record.items()}
 
 
-class FlowerRun:
-    """What the server app hands to ``on_result``: the final server state, the info
-    of every round, and the node that served each silo."""
+class FlowerRun(NamedTuple):
+    """What :func:`serve` returns (and :func:`server_app` hands to ``on_result``).
 
-    def __init__(self, state: Any, infos: list, nodes: dict) -> None:
-        self.state, self.infos, self.nodes = state, infos, nodes
+    - **state** - the final server state.
+    - **infos** - the server's info of every round run.
+    - **nodes** - ``{silo: node id}`` at the end.
+    """
+
+    state: Any
+    infos: list
+    nodes: dict
 
 
 # ------------------------------------------------------------------- server side
@@ -140,6 +146,11 @@ def serve(
     num_silos = federation.num_silos
     every = _check_checkpointing(checkpoint_every, checkpoint_dir, resume)
     meta = {"fit": name, "num_silos": num_silos}
+    if every is not None and not resume and checkpoint_steps(checkpoint_dir):
+        raise CheckpointError(
+            f"{checkpoint_dir} already holds checkpoints: resume=True continues "
+            "that run; a new run needs an empty directory."
+        )
     nodes = _find_silos(grid, name, num_silos, node_timeout, {})
     state, key = server.init(key)
     start = 0

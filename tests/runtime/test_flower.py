@@ -101,3 +101,17 @@ def test_flower_simulation_equals_simulate(flower_runs, name):
     m.tree_allclose(run.state, sim, rtol=1e-6, atol=1e-8)
     for a, b in zip(run.infos, infos, strict=True):
         m.tree_allclose(a.loss, b.loss, rtol=1e-6, atol=1e-8)
+
+
+def test_a_new_run_refuses_a_directory_that_holds_checkpoints(tmp_path):
+    """Checked before any node is contacted (here there is no grid at all)."""
+    import jax.numpy as jnp
+
+    from numpyro_fed.runtime.checkpoint import CheckpointError, save_checkpoint
+
+    save_checkpoint(tmp_path, {"x": jnp.zeros(1)}, step=2)
+    fed = federation_of(CASES["dsgld"]())
+    with pytest.raises(CheckpointError, match="already holds checkpoints"):
+        flower.serve(None, fed, 3, checkpoint_every=1, checkpoint_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="need a checkpoint_dir"):
+        flower.serve(None, fed, 3, resume=True)
