@@ -121,17 +121,11 @@ def sharded_round(
         >>> bool(server == simulate_round(algorithm, *args)[0])
         True
 
-    :param FederatedAlgorithm algorithm: the algorithm.
+    Takes and returns what :func:`~numpyro_fed.runtime.simulate.simulate_round`
+    does, with the mesh after the algorithm.
+
     :param jax.sharding.Mesh mesh: a mesh with an axis named ``"silos"``
         (:func:`silo_mesh`); other axes are not used.
-    :param server_state: the server's state.
-    :param silo_states: the silos' states, stacked along a leading silo axis.
-    :param SiloData silo_data: the silos' data, stacked along a leading silo axis.
-    :param jax.Array server_key: the round's server key.
-    :param jax.Array silo_keys: one key per silo (leading silo axis).
-    :param jax.Array participating: optional ``(J,)`` booleans: the silos taking part
-        in this round (default: all).
-    :return: ``(server_state, silo_states, info)``.
     """
     _num_shards(mesh)  # a mesh without a "silos" axis is refused before any work
     return simulate_round(
