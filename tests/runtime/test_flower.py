@@ -43,13 +43,14 @@ def _load_silo(name):
     return load
 
 
-def _roots(name):
+def silo_roots(name):
     """The silos' root keys as the nodes derive them from ``root_key``."""
     roots = jax.random.split(jax.random.key(ROOT_SEED), 3)
     return jax.vmap(lambda r: jax.random.fold_in(r, zlib.crc32(name.encode())))(roots)
 
 
-def _root(context):
+def node_root(context):
+    """A node's ``root_key``: its partition's share of ``ROOT_SEED``."""
     j = int(context.node_config["partition-id"])
     return jax.random.split(jax.random.key(ROOT_SEED), 3)[j]
 
@@ -73,7 +74,7 @@ def flower_runs():
             )
 
     fits = {name: (_federation(name), _load_silo(name)) for name in CASES}
-    client = flower.client_app(fits=fits, root_key=_root)
+    client = flower.client_app(fits=fits, root_key=node_root)
     run_simulation(
         server,
         client,
@@ -92,7 +93,7 @@ def test_flower_simulation_equals_simulate(flower_runs, name):
     sim, infos = simulated(
         fed,
         silo_data_of(case.data),
-        _roots(name),
+        silo_roots(name),
         jax.random.key(5),
         NUM_ROUNDS,
         lambda t: np.ones(fed.num_silos, bool),

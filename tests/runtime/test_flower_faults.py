@@ -10,7 +10,6 @@ import os
 import tempfile
 import time
 import warnings
-import zlib
 
 import pytest
 
@@ -27,9 +26,9 @@ from numpyro_fed.runtime.codec import TemplateMismatch  # noqa: E402
 from numpyro_fed.util import all_finite, take  # noqa: E402
 from tests import _models as m  # noqa: E402
 from tests.algorithms.test_contract import CASES  # noqa: E402
+from tests.runtime.test_flower import node_root, silo_roots  # noqa: E402
 from tests.runtime.test_remote import federation_of, simulated  # noqa: E402
 
-ROOT_SEED = 11
 # The straggler comes last: its node sleeps past the end of the simulation.
 FAULTS = ("crash", "nonfinite", "malformed", "resume", "straggler")
 ROUNDS = {"crash": 4, "straggler": 2, "nonfinite": 2, "malformed": 2, "resume": 4}
@@ -61,24 +60,13 @@ def _loader(name):
     return load
 
 
-def _root(context):
-    return jax.random.split(jax.random.key(ROOT_SEED), 3)[
-        int(context.node_config["partition-id"])
-    ]
-
-
-def _roots(name):
-    roots = jax.random.split(jax.random.key(ROOT_SEED), 3)
-    return jax.vmap(lambda r: jax.random.fold_in(r, zlib.crc32(name.encode())))(roots)
-
-
 def _faulty_client():
     from flwr.app import ArrayRecord
     from flwr.clientapp import ClientApp
 
     inner = flower.client_app(
         fits={name: (_federation, _loader(name)) for name in FAULTS},
-        root_key=_root,
+        root_key=node_root,
         checkpoint_dir=lambda ctx: os.path.join(
             CHECKPOINTS, f"node{ctx.node_config['partition-id']}"
         ),
@@ -176,7 +164,7 @@ def _expected(name, absent):
     return simulated(
         fed,
         _silo_data(name),
-        _roots(name),
+        silo_roots(name),
         jax.random.key(5),
         ROUNDS[name],
         lambda t: np.arange(3) != absent.get(t, -1),
