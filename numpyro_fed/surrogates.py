@@ -31,14 +31,29 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from numpyro_fed.checks import check_count
 from numpyro_fed.expfam import GaussianNat
 from numpyro_fed.potentials import FederatedPotential, federated_potential
 
 __all__ = ["check_surrogates", "fit_surrogates"]
 
 _METHODS = ("laplace", "sgld", "vi", "taylor")
-# Relative gradient norm at which the Laplace fit has reached its mode.
-_LAPLACE_TOL = 1e-8
+_NOT_IDENTIFIED = (
+    "its likelihood may not identify every global coordinate: fit with "
+    "prior_power > 0, or with more data on that silo"
+)
+
+
+def _tolerances(dtype: Any) -> tuple[float, float, float, float]:
+    """``(eps, gradient, round-off, floor)`` of ``dtype``: the Laplace fit has
+    reached its mode when its gradient relative to the target is below sqrt(eps)
+    (1.5e-8 in float64, 3.5e-4 in float32: round-off in a silo's summed gradient
+    keeps it about there); an eigenvalue below round-off relative to the largest is
+    round-off of a singular Hessian; clipped curvature is raised to the floor
+    relative to the largest (above round-off, so it passes check_surrogates)."""
+    dtype = np.dtype(dtype)
+    eps = float(np.finfo(dtype if dtype.kind in "fc" else np.float64).eps)
+    return eps, eps**0.5, max(1e-10, 10 * eps), max(1e-8, 1000 * eps)
 
 
 def check_surrogates(
@@ -46,7 +61,12 @@ def check_surrogates(
 ) -> GaussianNat:
     """
     Validate surrogates: shapes, finite values and a positive-definite precision for
-    every silo.
+    every silo. A precision is refused as not positive definite when its smallest
+    eigenvalue is not above round-off relative to its largest (``1e-10`` in float64,
+    ``10 eps`` in float32), and as numerically zero when that eigenvalue is below the
+    dtype's ``eps`` in unconstrained units (a standard deviation above
+    ``1 / sqrt(eps)``: :math:`6.7 \times 10^7` in float64): such a surrogate is flat,
+    not a Gaussian.
 
     :param GaussianNat s: the surrogates, stacked by silo.
     :param int num_silos: the expected number of silos.
@@ -67,6 +87,14 @@ def check_surrogates(
         ...
         ValueError: The surrogate of silo 1 has a precision that is not positive definite (smallest eigenvalue -2); ...
     """
+    return _check(s, num_silos, dim, _NOT_IDENTIFIED)
+
+
+def _check(
+    s: GaussianNat, num_silos: int | None, dim: int | None, advice: str
+) -> GaussianNat:
+    """:func:`check_surrogates`, with ``advice`` on the likely cause of a precision
+    that is not positive definite or is numerically zero."""
     if not isinstance(s, GaussianNat):
         raise TypeError(
             "surrogates must be an expfam.GaussianNat stacked by silo (from "
@@ -104,13 +132,18 @@ def check_surrogates(
         else:
             eig = p
         smallest = float(eig.min())
+        eps, _, round_off, _ = _tolerances(precision.dtype)
         # Relative threshold: a rank-deficient Hessian leaves round-off, not zeros.
-        if not smallest > 1e-10 * float(np.abs(eig).max()):
+        if not smallest > round_off * float(np.abs(eig).max()):
             raise ValueError(
                 f"The surrogate of silo {j} has a precision that is not positive "
-                f"definite (smallest eigenvalue {smallest:.3g}); its likelihood may "
-                "not identify every global coordinate: fit with prior_power > 0, "
-                "or with more data on that silo."
+                f"definite (smallest eigenvalue {smallest:.3g}); {advice}."
+            )
+        if not smallest > eps:
+            raise ValueError(
+                f"The surrogate of silo {j} has a precision that is numerically zero "
+                f"(smallest eigenvalue {smallest:.3g}, below {precision.dtype}'s eps "
+                f"{eps:.3g}): it is flat in some direction, not a Gaussian; {advice}."
             )
     return s
 
@@ -161,7 +194,7 @@ def _marginal(mean, cov_or_precision, dim, diagonal, is_precision):
     return prec, shift
 
 
-def _fit_laplace(log_target, u0, num_steps, tol=_LAPLACE_TOL):
+def _fit_laplace(log_target, u0, num_steps, proper):
     """Mode by damped Newton (Levenberg-Marquardt): a step is kept only if it lowers
     the loss, and the damping shrinks after a success and grows after a failure, so
     it is Newton near a mode and gradient descent far from one. Exact in one step on
@@ -169,8 +202,11 @@ def _fit_laplace(log_target, u0, num_steps, tol=_LAPLACE_TOL):
 
     Returns the last iterate, the negative Hessian there (made proper by
     :func:`_proper_curvature` if it is not), the relative gradient norm before the
-    last step (above ``tol``: stopped by ``num_steps``) and whether the curvature
-    had to be clipped."""
+    last step (above :func:`_tolerances`' gradient: stopped by ``num_steps``) and whether the
+    curvature had to be clipped. ``proper``: the target includes a share of the
+    prior, so zero curvature is flatness to clip, not a coordinate the silo's
+    likelihood does not identify (left for :func:`check_surrogates` to report)."""
+    _, tol, round_off, _ = _tolerances(u0.dtype)
     loss = lambda u: -log_target(u)
     eye = jnp.eye(u0.shape[0], dtype=u0.dtype)
 
@@ -196,16 +232,19 @@ def _fit_laplace(log_target, u0, num_steps, tol=_LAPLACE_TOL):
     u, _, _, gnorm = jax.lax.while_loop(cond, body, start)
     hess = jax.hessian(loss)(u)
     eig, vec = jnp.linalg.eigh(0.5 * (hess + hess.T))
-    # Only curvature that is negative beyond round-off is clipped: a Hessian that is
-    # singular (a likelihood that does not identify every coordinate) is left for
-    # check_surrogates to report. A proper one is kept bit for bit.
-    improper = eig[0] < -1e-10 * jnp.max(jnp.abs(eig))
+    # Without a prior share, only curvature that is negative beyond round-off is
+    # clipped: a singular Hessian (a likelihood that does not identify every
+    # coordinate) is left for check_surrogates to report. With one, zero and
+    # round-off curvature are flatness and are clipped too. A proper Hessian is
+    # kept bit for bit.
+    bound = round_off * jnp.max(jnp.abs(eig))
+    improper = eig[0] <= bound if proper else eig[0] < -bound
     hess = jnp.where(improper, _proper_curvature(eig, vec), hess)
     return u, hess, gnorm, improper
 
 
 def _curvature_floor(eig):
-    return 1e-8 * jnp.max(jnp.abs(eig))
+    return _tolerances(eig.dtype)[3] * jnp.max(jnp.abs(eig))
 
 
 def _proper_curvature(eig, vec):
@@ -315,8 +354,8 @@ def _fit_vi(log_target, u0, key, num_steps, learning_rate, num_particles, diagon
     return params["loc"], cov
 
 
-def _warn_unconverged(gnorm, improper, num_steps):
-    stopped = np.flatnonzero(gnorm > _LAPLACE_TOL).tolist()
+def _warn_unconverged(gnorm, improper, num_steps, tol):
+    stopped = np.flatnonzero(gnorm > tol).tolist()
     clipped = np.flatnonzero(improper).tolist()
     if not (stopped or clipped):
         return
@@ -325,13 +364,14 @@ def _warn_unconverged(gnorm, improper, num_steps):
         parts.append(
             f"The Laplace fit stopped before a mode on silo(s) {stopped} (after "
             f"num_steps={num_steps} Newton steps the gradient is up to "
-            f"{gnorm.max():.2g} relative to the target, above {_LAPLACE_TOL:g}): "
+            f"{gnorm.max():.2g} relative to the target, above {tol:.2g}): "
             "raise num_steps, or start nearer a mode with init_params."
         )
     if clipped:
         parts.append(
-            f"On silo(s) {clipped} the fit ends where the target curves down in some "
-            "directions; those curvatures were raised to a small positive floor, so "
+            f"On silo(s) {clipped} the fit ends where the target curves down (or is "
+            "flat) in some directions; those curvatures were raised to a small "
+            "positive floor, so "
             "the surrogate is nearly flat, and the conducive gradient nearly off, in "
             "those directions."
         )
@@ -364,13 +404,16 @@ def fit_surrogates(
     Methods:
 
     - ``"laplace"``: mode by damped Newton (at most ``num_steps`` iterations, until
-      the gradient is below ``1e-8`` relative to the target's value), then the negative
+      the gradient is below :math:`\\sqrt{\\epsilon}` of the dtype relative to the
+      target's value: 1.5e-8 in float64, 3.5e-4 in float32), then the negative
       Hessian there (with local latents, the Schur complement: the Laplace
       approximation of the marginal likelihood). Exact for a Gaussian likelihood.
       On a target that is not log-concave, a fit stopped by ``num_steps`` may end
       where the target curves down: that curvature is raised to a small positive
       floor (the surrogate is nearly flat there), and a warning names the silos that
-      stopped short or were clipped.
+      stopped short or were clipped. With ``prior_power > 0`` the target is proper,
+      so zero and round-off curvature are clipped too; without it they are reported
+      (the silo's likelihood may not identify that direction).
     - ``"sgld"``: Langevin dynamics on the local likelihood (full silo gradient,
       ``step_size``, ``num_warmup`` then ``num_samples`` steps), then moment matching,
       as in the paper (3,000 draws).
@@ -448,16 +491,15 @@ def fit_surrogates(
             f"method='sgld' needs a positive step_size, got {step_size!r} (a step of "
             "about 0.1 / (units per silo) is a reasonable start for a well-scaled model)."
         )
-    if not (isinstance(thinning, int) and thinning >= 1):
-        raise ValueError(f"thinning must be an integer >= 1, got {thinning!r}.")
-    if prior_power < 0:
+    num_steps = check_count("num_steps", num_steps)
+    num_warmup = check_count("num_warmup", num_warmup, minimum=0)
+    num_samples = check_count("num_samples", num_samples)
+    thinning = check_count("thinning", thinning)
+    num_particles = check_count("num_particles", num_particles)
+    if silo_batch_size is not None:
+        silo_batch_size = check_count("silo_batch_size", silo_batch_size)
+    if not prior_power >= 0:
         raise ValueError(f"prior_power must be >= 0, got {prior_power!r}.")
-    if silo_batch_size is not None and not (
-        isinstance(silo_batch_size, int) and silo_batch_size >= 1
-    ):
-        raise ValueError(
-            f"silo_batch_size must be None or an integer >= 1, got {silo_batch_size!r}."
-        )
     diagonal = covariance == "diag"
     pot = federated_potential(model, data)
     rng_key = jax.random.key(0) if rng_key is None else rng_key
@@ -486,7 +528,9 @@ def fit_surrogates(
         )
         u0 = jnp.concatenate([pot.flatten(pot.split(z0)[0]), flat_local])
         if method == "laplace":
-            mode, hess, gnorm, improper = _fit_laplace(log_target, u0, num_steps)
+            mode, hess, gnorm, improper = _fit_laplace(
+                log_target, u0, num_steps, prior_power > 0
+            )
             return *_marginal(mode, hess, dim, diagonal, True), gnorm, improper
         return *fit_natural(log_target, u0, key), jnp.zeros(()), jnp.zeros((), bool)
 
@@ -532,5 +576,20 @@ def fit_surrogates(
             lambda a: jax.lax.map(lambda x: fit_one(*x), a, batch_size=silo_batch_size)
         )(inputs)
     if method == "laplace":
-        _warn_unconverged(np.asarray(gnorm), np.asarray(improper), num_steps)
-    return check_surrogates(GaussianNat(shift, prec), data.num_silos, dim)
+        tol = _tolerances(prec.dtype)[1]
+        _warn_unconverged(np.asarray(gnorm), np.asarray(improper), num_steps, tol)
+    advice = _NOT_IDENTIFIED
+    if prior_power > 0:  # the target is proper: the fit, not the data, is at fault
+        advice = (
+            f"with prior_power={prior_power} the silo's target is proper, so the "
+            f"{method!r} fit ended degenerate: "
+            + (
+                "where the target is flat or not finite (e.g. a funnel's neck); start "
+                "nearer a mode (init_params), reparameterize the model, or use "
+                "method='vi'"
+                if method in ("laplace", "taylor")
+                else "its moments are not those of a proper Gaussian; raise "
+                "num_samples (and thinning) or num_steps"
+            )
+        )
+    return _check(GaussianNat(shift, prec), data.num_silos, dim, advice)

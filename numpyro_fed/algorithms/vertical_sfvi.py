@@ -45,6 +45,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from numpyro_fed.checks import check_count
 from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
 from numpyro_fed.util import ascent
 from numpyro_fed.vertical.augment import AugmentedModel, z_name
@@ -297,10 +298,7 @@ def vertical_sfvi(
         :func:`~numpyro_fed.vertical.terms.standard_noise`).
     :rtype: FederatedAlgorithm
     """
-    if not isinstance(local_steps, int) or isinstance(local_steps, bool):
-        raise TypeError(f"local_steps must be an int, got {local_steps!r}.")
-    if local_steps < 1:
-        raise ValueError(f"local_steps must be >= 1, got {local_steps}.")
+    local_steps = check_count("local_steps", local_steps)
     parties = structure.parties
     num = len(parties)
     shapes = {structure.z_shape[p] for p in parties}

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import trange
 
+from numpyro_fed.checks import check_count, check_participating, check_state_layout
 from numpyro_fed.protocol import FederatedAlgorithm, jit_algorithm, silo_data_of
 from numpyro_fed.runtime import (
     event_round,
@@ -72,10 +73,7 @@ def _check_options(runtime: str, participation: float, order: str, staleness: in
         raise ValueError(f"participation must be in (0, 1], got {participation!r}.")
     if order not in ("cyclic", "random"):
         raise ValueError(f"order must be 'cyclic' or 'random', got {order!r}.")
-    if not isinstance(staleness, int) or staleness < 0:
-        raise ValueError(
-            f"max_staleness must be a non-negative int, got {staleness!r}."
-        )
+    check_count("max_staleness", staleness, minimum=0)
 
 
 class Driver:
@@ -113,7 +111,7 @@ class Driver:
         self.runtime = runtime
         self.participation = participation
         self.order = order
-        self.max_staleness = max_staleness
+        self.max_staleness = int(max_staleness)
         self._built: dict = {}
 
     # ------------------------------------------------------------- subclass hooks
@@ -212,15 +210,21 @@ class Driver:
         )
 
     def _check(self, state: FederatedState, data: Any) -> None:
-        leaves = jax.tree.leaves(state.silos)
-        if not leaves:  # stateless silos
-            return
-        num_silos = leaves[0].shape[0]
-        if num_silos != data.num_silos:
-            raise ValueError(
-                f"The state holds {num_silos} silos but the data hold {data.num_silos}: "
-                f"initialize {type(self).__name__} with this data (.init(key, data))."
+        """Raise unless ``state`` has the layout :meth:`init` gives on ``data``
+        (built here, outside any trace: a fresh object may resume a state)."""
+        name = type(self).__name__
+        if not isinstance(state, FederatedState):
+            raise TypeError(
+                f"{name} needs the FederatedState of init or of a run "
+                f"(result.state); got {type(state).__name__}."
             )
+        self._build(data)
+        key = ("state", self._layout(data), state.rng_key.dtype, state.rng_key.shape)
+        if key not in self._built:
+            init = lambda k: self.init(k, data)  # noqa: E731
+            self._built[key] = jax.eval_shape(init, state.rng_key)
+        fix = f"start from {name}.init(key, data) on these data"
+        check_state_layout(name, state, self._built[key], fix)
 
     # ---------------------------------------------------------------- NumPyro API
     def init(
@@ -299,12 +303,7 @@ class Driver:
         if participating is None:
             participating = self._participants(state.rng_key, num_silos)
         else:
-            participating = jnp.asarray(participating, bool)
-            if participating.shape != (num_silos,):
-                raise ValueError(
-                    f"participating must have shape ({num_silos},), got "
-                    f"{participating.shape}."
-                )
+            participating = check_participating(participating, num_silos)
         rng_key, server_key, silo_keys = self._round_inputs(state.rng_key, num_silos)
         server, silos, info = round_fn(
             state.server,
@@ -414,8 +413,7 @@ class Driver:
             >>> bool(jnp.all(resumed.losses == whole.losses))
             True
         """
-        if not isinstance(num_steps, int) or num_steps < 1:
-            raise ValueError(f"num_steps must be a positive int, got {num_steps!r}.")
+        num_steps = check_count("num_steps", num_steps)
         if checkpoint_dir is None and (checkpoint_every is not None or resume):
             raise ValueError("checkpoint_every and resume need a checkpoint_dir.")
         saver, done, past = None, 0, None

@@ -33,6 +33,7 @@ from numpyro_fed.algorithms.sgld import (
     fsgld,
     init_chain,
 )
+from numpyro_fed.checks import check_count, check_state_layout
 from numpyro_fed.data import FederatedData
 from numpyro_fed.expfam import GaussianNat
 from numpyro_fed.potentials import FederatedPotential, federated_potential
@@ -257,10 +258,14 @@ class FSGLD(MCMCKernel):
             )
         return model_args[0]
 
-    def _setup(self, data: Any) -> tuple[FederatedPotential, SGLDConfig]:
-        layout = (data.sizes, data.padded_size) + tuple(
+    @staticmethod
+    def _layout(data: Any) -> tuple:
+        return (data.sizes, data.padded_size) + tuple(
             (k, v.shape, str(v.dtype)) for k, v in sorted(data.arrays.items())
         )
+
+    def _setup(self, data: Any) -> tuple[FederatedPotential, SGLDConfig]:
+        layout = self._layout(data)
         if layout not in self._built:
             pot = federated_potential(self._model, data)
             f = _check_probs(self._silo_probs, data.num_silos)
@@ -340,8 +345,6 @@ class FSGLD(MCMCKernel):
         del num_warmup
         data = self._data(model_args, model_kwargs)
         pot, cfg = self._setup(data)
-        # NaNs of a diverging chain show in its samples, as with NumPyro's kernels.
-        algorithm = self.algorithm(data, steps_per_contact=1, reject_nonfinite=False)
 
         def one(key, z=None):
             init_key, chain_key = jax.random.split(key)
@@ -351,24 +354,43 @@ class FSGLD(MCMCKernel):
             server = init_chain(cfg, pot.split(z)[0], chain_key)
             return SGLDState(z, server.step, server.silo, server.rng_key)
 
-        sample_fn = lambda state, d: _sample(algorithm, pot, state, d)
         if is_prng_key(rng_key):
             state = one(rng_key, init_params)
-            self._sample_fn = sample_fn
         else:
             state = (
                 jax.vmap(one)(rng_key, init_params)
                 if init_params is not None
                 else (jax.vmap(one)(rng_key))
             )
-            self._sample_fn = jax.vmap(sample_fn, in_axes=(0, None))
+        self._sample_fn = self._step  # MCMC calls init while this is None
         return state
+
+    def _step(self, state: SGLDState, data: Any) -> SGLDState:
+        """One chain's step on ``data``, whose layout the chain must have."""
+        pot = self.potential(data)
+        shapes = {s.name: s.shape for s in pot.global_sites}
+        shapes.update({s.name: (data.num_silos,) + s.shape for s in pot.local_sites})
+        z = {k: jax.ShapeDtypeStruct(v, float) for k, v in shapes.items()}
+        fix = "start the chain on these data (init, or a new MCMC run)"
+        expected = state._replace(z=z)
+        check_state_layout(type(self).__name__, state, expected, fix, dtypes=False)
+        key = ("kernel",) + self._layout(data)
+        if key not in self._built:
+            # NaNs of a diverging chain show in its samples, as with NumPyro's kernels.
+            self._built[key] = self.algorithm(
+                data, steps_per_contact=1, reject_nonfinite=False
+            )
+        return _sample(self._built[key], pot, state, data)
 
     def sample(
         self, state: SGLDState, model_args: tuple, model_kwargs: dict
     ) -> SGLDState:
-        """One Langevin step: one contact of the chain's silo."""
-        return self._sample_fn(state, self._data(model_args, model_kwargs))
+        """One Langevin step: one contact of the chain's silo (a state of another
+        data layout is refused, naming the site)."""
+        data = self._data(model_args, model_kwargs)
+        if is_prng_key(state.rng_key):
+            return self._step(state, data)
+        return jax.vmap(self._step, in_axes=(0, None))(state, data)
 
     def postprocess_fn(self, model_args: tuple, model_kwargs: dict) -> Callable:
         """Unconstrained position -> constrained sites, local sites in pooled order."""
@@ -418,8 +440,7 @@ class FSGLD(MCMCKernel):
         :param dict init_params: optional unconstrained starting position.
         :rtype: ProtocolResult
         """
-        if not isinstance(num_rounds, int) or num_rounds < 1:
-            raise ValueError(f"num_rounds must be a positive int, got {num_rounds!r}.")
+        num_rounds = check_count("num_rounds", num_rounds)
         pot = self.potential(data)
         first = self.init(rng_key, 0, init_params, (data,), {})
         algorithm = jit_algorithm(self.algorithm(data))

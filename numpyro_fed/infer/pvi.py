@@ -20,12 +20,13 @@ from numpyro_fed.algorithms.fedgvi import (
     renyi_divergence,
 )
 from numpyro_fed.algorithms.pvi import guide_params, pvi
+from numpyro_fed.checks import check_count
 from numpyro_fed.densities import data_template
 from numpyro_fed.expfam import GaussianNat, from_loc_scale, gaussian_prior, kl
 from numpyro_fed.families.structured import AutoMeanField, AutoStructured
 from numpyro_fed.infer.driver import Driver, FederatedState, RunResult
 from numpyro_fed.infer.posterior import sample_structured
-from numpyro_fed.infer.vi import check_optimizer, check_positive_int, local_params
+from numpyro_fed.infer.vi import check_optimizer, local_params
 from numpyro_fed.util import constrain
 
 __all__ = ["FedGVI", "InvalidCavity", "PVI", "PVIParams"]
@@ -193,8 +194,8 @@ class PVI(Driver):
             )
         if damping is not None and not 0 < damping <= 1:
             raise ValueError(f"damping must be in (0, 1], got {damping!r}.")
-        check_positive_int("local_steps", local_steps)
-        check_positive_int("num_particles", num_particles)
+        local_steps = check_count("local_steps", local_steps)
+        num_particles = check_count("num_particles", num_particles)
         if local_solver not in ("adam", "natural"):
             raise ValueError(
                 f"local_solver must be 'adam' or 'natural', got {local_solver!r}."
@@ -204,10 +205,7 @@ class PVI(Driver):
         for name, opt in (("local_optim", local_optim), ("hyper_optim", hyper_optim)):
             if opt is not None:
                 check_optimizer(name, opt)
-        if not isinstance(max_staleness, int) or max_staleness < 0:
-            raise ValueError(
-                f"max_staleness must be a non-negative int, got {max_staleness!r}."
-            )
+        max_staleness = check_count("max_staleness", max_staleness, minimum=0)
         super().__init__(
             runtime=runtime or _SCHEDULES[schedule],
             participation=participation,
@@ -461,8 +459,7 @@ class FedGVI(PVI):
         super().__init__(model, guide, local_optim, **kwargs)
         self.loss = _resolve_loss(loss)
         self.divergence = _resolve_divergence(divergence)
-        check_positive_int("cavity_steps", cavity_steps)
-        self.cavity_steps = cavity_steps
+        self.cavity_steps = check_count("cavity_steps", cavity_steps)
 
     def _make_algorithm(self, data: Any):
         return fedgvi(

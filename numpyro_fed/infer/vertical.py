@@ -19,12 +19,12 @@ import optax
 
 from numpyro_fed.algorithms import vertical_reference
 from numpyro_fed.algorithms.vertical_sfvi import (
-    VerticalPartyState,
     name_key_data,
     num_phases,
     row_errors,
     vertical_sfvi,
 )
+from numpyro_fed.checks import check_count, check_state_layout
 from numpyro_fed.infer.driver import Driver, FederatedState, RunResult
 from numpyro_fed.protocol import SiloData, jit_algorithm
 from numpyro_fed.runtime.groups import group_round, stack_groups, unstack_groups
@@ -33,8 +33,10 @@ from numpyro_fed.vertical.data import VerticalData
 from numpyro_fed.vertical.families import VerticalFamily
 from numpyro_fed.vertical.parties import (
     PartyGroup,
-    as_layout,
     find_groups,
+    groups_from_slots,
+    lay_out,
+    own_layouts,
     rename,
     signature as party_signature,
 )
@@ -71,11 +73,8 @@ class RoundKeys(NamedTuple):
     party_keys: dict
 
 
-def _check_local_steps(local_steps: Any) -> None:
-    if not isinstance(local_steps, int) or isinstance(local_steps, bool):
-        raise TypeError(f"local_steps must be an int, got {local_steps!r}.")
-    if local_steps < 1:
-        raise ValueError(f"local_steps must be >= 1, got {local_steps}.")
+def _check_local_steps(local_steps: Any) -> int:
+    local_steps = check_count("local_steps", local_steps)
     if local_steps > 1:
         warnings.warn(
             f"VerticalSFVI(local_steps={local_steps}): the extra local steps ascend "
@@ -85,6 +84,7 @@ def _check_local_steps(local_steps: Any) -> None:
             UserWarning,
             stacklevel=3,
         )
+    return local_steps
 
 
 class VerticalSFVI(Driver):
@@ -182,7 +182,7 @@ class VerticalSFVI(Driver):
                 "optim must be an optax.GradientTransformation or a dict owner -> "
                 f"optimizer; got {type(optim).__name__}."
             )
-        _check_local_steps(local_steps)
+        local_steps = _check_local_steps(local_steps)
         super().__init__(runtime=runtime)
         self.model = model
         self.family = family
@@ -365,8 +365,9 @@ class VerticalSFVI(Driver):
                 return (g.lead, *g.renames[party])
         return party, {}, {}
 
-    def _party_data(self, data: VerticalData, party: str) -> SiloData:
-        lead, _, arrays = self._renames(party)
+    def _party_data(self, data: VerticalData, party: str, own: Any = 0) -> SiloData:
+        """``party``'s data under its group's names (``own``: its own names)."""
+        lead, _, arrays = (party, {}, {}) if own else self._renames(party)
         n = data.num_rows
         view = rename(data.view(party), arrays)
         return SiloData({lead: view}, jnp.ones((n,), bool), jnp.arange(n))
@@ -443,46 +444,57 @@ class VerticalSFVI(Driver):
         self, server: Any, parties: dict, rng_key: jax.Array, data: VerticalData
     ) -> FederatedState:
         """The :class:`~numpyro_fed.infer.driver.FederatedState` of a server state and
-        party -> :class:`VerticalPartyState` (each in its own layout), the parties
-        laid out in groups (found here)."""
+        party -> :class:`~numpyro_fed.algorithms.vertical_sfvi.VerticalPartyState`
+        (each in its own layout), the parties laid out in groups (found here)."""
         self.setup(data)
         self._find_groups(parties, data, rng_key)
         self._trees = {p: jax.tree.structure(s) for p, s in parties.items()}
-        laid = []
-        for p in self.structure.parties:
-            lead, names, _ = self._renames(p)
-            order = [
-                self.structure.parties.index(names.get(k, k))
-                for k in self.structure.parties
-            ]
-            s = parties[p]
-            laid.append(
-                VerticalPartyState(
-                    as_layout(parties[lead].raw, s.raw),
-                    as_layout(parties[lead].opt_state, s.opt_state),
-                    jnp.asarray(order, jnp.int32),
-                )
-            )
-        silos = stack_groups(laid, self._silo_groups())
-        return FederatedState(server, silos, rng_key)
+        return self._laid(server, parties, rng_key)
+
+    def _laid(self, server: Any, parties: dict, rng_key: jax.Array) -> FederatedState:
+        """The state of ``parties`` (each in its own layout) in the current groups."""
+        laid = lay_out(self.structure.parties, self._groups, parties)
+        return FederatedState(server, stack_groups(laid, self._silo_groups()), rng_key)
 
     def party_states(self, state: FederatedState) -> dict:
-        """Party -> its :class:`VerticalPartyState` in its own layout."""
-        parties = self.structure.parties
+        """Party -> its party state in its own layout (as :meth:`state_of` takes)."""
         laid = unstack_groups(state.silos, self._silo_groups())
-        out = {}
-        for p, s in zip(parties, laid, strict=True):
-            own = jax.tree.unflatten(self._trees[p], jax.tree.leaves(s))
-            out[p] = own._replace(slots=jnp.arange(len(parties), dtype=jnp.int32))
-        return out
+        return own_layouts(self.structure.parties, laid, self._trees)
+
+    def _own_states(self, key: jax.Array, data: VerticalData) -> tuple[Any, dict]:
+        """``(server, party -> state)`` of :meth:`init`, each in its own layout."""
+        algorithm = self._make_algorithm(data)
+        # jitted: placeholders (NaN) in other parties' blocks must not meet
+        # NumPyro's eager argument validation
+        init_silo = jax.jit(algorithm.init_silo)
+        parties = {  # each under its own names, not its group's
+            p: init_silo(jax.random.fold_in(key, i + 1), self._party_data(data, p, 1))
+            for i, p in enumerate(self.structure.parties)
+        }
+        return jax.jit(algorithm.init_server)(key), parties
 
     def _check(self, state: FederatedState, data: Any) -> None:
-        count = sum(jax.tree.leaves(s)[0].shape[0] for s in state.silos)
-        if count != len(data.parties):
+        """Raise unless ``state`` fits ``data``; a state laid out elsewhere (a
+        fresh object resuming it) brings its party groups, read from its slots."""
+        self.setup(data)
+        fix = "start from VerticalSFVI.init(key, data) on these data"
+        silos = state.silos if isinstance(state, FederatedState) else None
+        groups = groups_from_slots(self.structure.parties, silos, self._held)
+        if groups is None:
             raise ValueError(
-                f"The state holds {count} parties but the data hold "
-                f"{len(data.parties)}: initialize VerticalSFVI with this data."
+                "VerticalSFVI: the state is not a run's state (result.state) over "
+                f"this data's parties {list(data.parties)}; {fix}."
             )
+        key = (groups, state.rng_key.dtype)
+        if self._built.get("state", (None,))[0] != key:
+            own = jax.eval_shape(lambda k: self._own_states(k, data), state.rng_key)
+            self._trees = {p: jax.tree.structure(s) for p, s in own[1].items()}
+            self._groups = groups if any(len(g.parties) > 1 for g in groups) else None
+            laid = jax.eval_shape(self._laid, *own, state.rng_key)
+            self._built["state"] = (key, laid)
+        check_state_layout(
+            "VerticalSFVI", state, self._built["state"][1], fix, dtypes=False
+        )
 
     # -------------------------------------------------------------- NumPyro API
     def init(
@@ -500,17 +512,8 @@ class VerticalSFVI(Driver):
         if init_params is not None:
             raise NotImplementedError("VerticalSFVI cannot start from init_params.")
         self.setup(data)
-        self._groups = None  # every party starts in its own layout
-        algorithm = self._make_algorithm(data)
         rng_key, init_key = jax.random.split(rng_key)
-        # jitted: placeholders (NaN) in other parties' blocks must not meet
-        # NumPyro's eager argument validation
-        init_silo = jax.jit(algorithm.init_silo)
-        parties = {
-            p: init_silo(jax.random.fold_in(init_key, i + 1), self._party_data(data, p))
-            for i, p in enumerate(self.structure.parties)
-        }
-        server = jax.jit(algorithm.init_server)(init_key)
+        server, parties = self._own_states(init_key, data)
         state = self.state_of(server, parties, rng_key, data)
         # strong dtypes as a round returns them, so that rounds compile once
         shapes = jax.eval_shape(lambda s: self._round(s, data, None)[0], state)
@@ -536,8 +539,6 @@ class VerticalSFVI(Driver):
     def update_with_info(self, state, data, participating=None):
         """Like :meth:`update`, returning the server's
         :class:`~numpyro_fed.algorithms.vertical_sfvi.VerticalInfo`."""
-        if self.structure is None:
-            raise RuntimeError("Call init(key, data) before update.")
         if participating is not None:
             raise ValueError("Every party takes part in every vertical round.")
         with row_errors():

@@ -16,6 +16,7 @@ from numpyro_fed.algorithms.sfvi_avg import (
     SFVIAvgSiloState,
     sfvi_avg,
 )
+from numpyro_fed.checks import check_count
 from numpyro_fed.densities import data_template
 from numpyro_fed.elbo import noise_keys
 from numpyro_fed.families.structured import GLOBAL_PREFIX, LOCAL_PREFIX
@@ -53,12 +54,6 @@ def local_params(constraints: dict, silos: Any) -> dict:
     """The constrained local parameters of the silos' states; ``{}`` for a deployed
     run's server, which holds no silo state (``FederatedState(server, None, None)``)."""
     return {} if silos is None else constrain(constraints, silos.eta_local)
-
-
-def check_positive_int(name: str, value: Any) -> None:
-    """Raise unless ``value`` is a positive int."""
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}.")
 
 
 class SFVI(Driver):
@@ -116,7 +111,7 @@ class SFVI(Driver):
         **runtime_options: Any,
     ) -> None:
         check_optimizer("optim", optim)
-        check_positive_int("num_particles", num_particles)
+        num_particles = check_count("num_particles", num_particles)
         super().__init__(**runtime_options)
         self.model = model
         self.guide = guide
@@ -274,7 +269,7 @@ class SFVIAvg(SFVI):
         reset_optimizer: bool = False,
         **kwargs: Any,
     ) -> None:
-        check_positive_int("local_steps", local_steps)
+        local_steps = check_count("local_steps", local_steps)
         super().__init__(model, guide, optim, **kwargs)
         self.local_steps = local_steps
         self.scale_local_entropy = scale_local_entropy

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from numpyro_fed.checks import check_count
 from numpyro_fed.runtime.codec import TemplateMismatch, decode, encode, fingerprint
 
 __all__ = [
@@ -113,10 +114,8 @@ def save_checkpoint(
         >>> step, meta, back["theta"].tolist()
         (10, {'algorithm': 'SFVI'}, [0.0, 1.0, 2.0])
     """
-    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-        raise ValueError(f"step must be a non-negative int, got {step!r}.")
-    if not isinstance(keep, int) or keep < 1:
-        raise ValueError(f"keep must be a positive int, got {keep!r}.")
+    step = check_count("step", step, minimum=0)
+    keep = check_count("keep", keep)
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     steps = checkpoint_steps(directory)
@@ -346,10 +345,8 @@ class RunCheckpoints:
         every: int | None = None,
         keep: int = 2,
     ) -> None:
-        if every is not None and (
-            not isinstance(every, int) or isinstance(every, bool) or every < 1
-        ):
-            raise ValueError(f"checkpoint_every must be a positive int, got {every!r}.")
+        if every is not None:
+            every = check_count("checkpoint_every", every)
         self.directory, self.meta, self.every, self.keep = directory, meta, every, keep
         #: rounds done when the run started (read by :meth:`load`)
         self.done = 0

@@ -50,6 +50,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
         "numpyro_fed.runtime.flower needs Flower: pip install 'numpyro-fed[flower]'."
     ) from error
 
+from numpyro_fed.checks import check_count
 from numpyro_fed.runtime.checkpoint import (
     CheckpointError,
     checkpoint_meta,
@@ -139,8 +140,7 @@ def serve(
     :raises TemplateMismatch: a reply that does not match the reply template (names
         the silo, its node and the field; nothing of that round is applied).
     """
-    if not isinstance(num_rounds, int) or num_rounds < 1:
-        raise ValueError(f"num_rounds must be a positive int, got {num_rounds!r}.")
+    num_rounds = check_count("num_rounds", num_rounds)
     server = RemoteServer(federation)
     key = jax.random.key(secrets.randbits(63)) if rng_key is None else rng_key
     num_silos = federation.num_silos
@@ -184,8 +184,8 @@ def serve(
 
 
 def _check_checkpointing(every: int | None, directory: Any, resume: bool):
-    if every is not None and (not isinstance(every, int) or every < 1):
-        raise ValueError(f"checkpoint_every must be a positive int, got {every!r}.")
+    if every is not None:
+        every = check_count("checkpoint_every", every)
     if (every is not None or resume) and directory is None:
         raise ValueError("checkpoint_every and resume need a checkpoint_dir.")
     return every
@@ -207,8 +207,7 @@ def server_app(
     :param options: ``name``, ``rng_key``, ``round_timeout``, ``node_timeout``,
         ``on_round``, as for :func:`serve`.
     """
-    if not isinstance(num_rounds, int) or num_rounds < 1:
-        raise ValueError(f"num_rounds must be a positive int, got {num_rounds!r}.")
+    num_rounds = check_count("num_rounds", num_rounds)
     app = ServerApp()
 
     @app.main()

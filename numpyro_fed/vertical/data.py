@@ -6,10 +6,13 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from numpyro_fed.checks import check_finite_array
+
 __all__ = ["LABELS", "VerticalData"]
 
 #: Where the labels live: with the server only (S2), or shared with every party (S1).
 LABELS = ("server", "shared")
+_HOLDER = {"server": "the server (the labels)", "public": "the public arrays"}
 
 
 class VerticalData:
@@ -20,7 +23,9 @@ class VerticalData:
     A party's *view* (:meth:`view`) holds its own arrays, the public ones, the
     server's when ``labels="shared"``, and a placeholder of the same shape in place
     of every other array: NaN for floats, so that any computation that reads another
-    party's columns poisons its result (the simulation's privacy check).
+    party's columns poisons its result (the simulation's privacy check). The arrays
+    themselves must be finite: a NaN or inf is refused, naming the array and its
+    holder.
 
     :param dict parties: party name -> dict of arrays (rows along axis 0).
     :param dict server: the server's arrays (the labels), name -> array.
@@ -74,6 +79,9 @@ class VerticalData:
                         f"{owner!r}; every array has one holder."
                     )
                 value = jnp.asarray(value)
+                # A NaN here would surface as NumPyro's "invalid loc parameter", or
+                # as a party reading columns it does not hold (the NaN placeholder).
+                check_finite_array(name, value, _HOLDER.get(owner, f"party {owner!r}"))
                 if owner != "public":
                     if value.ndim == 0:
                         raise ValueError(

@@ -19,7 +19,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["PartyGroup", "as_layout", "find_groups", "rename", "signature"]
+__all__ = [
+    "PartyGroup",
+    "as_layout",
+    "find_groups",
+    "groups_from_slots",
+    "lay_out",
+    "own_layouts",
+    "rename",
+    "signature",
+]
 
 
 class PartyGroup(NamedTuple):
@@ -113,6 +122,94 @@ def find_groups(
                 renames[p] = same[p]
         groups.append(PartyGroup(lead, tuple(ok), renames))
     return tuple(sorted(groups, key=lambda g: g.lead))
+
+
+def groups_from_slots(
+    parties: tuple, stacked: Any, held: dict
+) -> tuple[PartyGroup, ...] | None:
+    """
+    The groups a laid-out state was stacked in, read from its parties' ``slots``
+    (one ``(n, J)`` array per stacked group, in the state's order): the lead's row
+    is the identity and each other member's swaps its index with the lead's; the
+    groups of one party fill the remaining parties in order, as :func:`find_groups`
+    sorts them. ``None`` if the slots match no such layout of ``parties``.
+
+    :param tuple parties: the party names (sorted, as the structure keeps them).
+    :param stacked: the state's silos: one stacked state per group.
+    :param dict held: party -> sorted names of the arrays it holds.
+    :return: the groups (singletons included), or ``None``.
+    """
+    num = len(parties)
+    identity = np.arange(num)
+    leads: list = []
+    for group in stacked if isinstance(stacked, tuple) else ():
+        rows = np.asarray(getattr(group, "slots", None))
+        if rows.ndim != 2 or rows.shape[1] != num or (rows[0] != identity).any():
+            return None
+        moved = [np.flatnonzero(r != identity) for r in rows[1:]]
+        if any(len(m) != 2 for m in moved):
+            return None
+        lead = min((int(m[0]) for m in moved), default=None)
+        members = [lead] + [int(m[m != lead][0]) for m in moved]
+        if lead is not None and any(lead not in m for m in moved):
+            return None
+        leads.append(members)
+    taken = {j for m in leads if m[0] is not None for j in m}
+    alone = iter(j for j in range(num) if j not in taken)
+    groups = []
+    for members in leads:
+        if members[0] is None:
+            members = [next(alone, None)]
+            if members[0] is None:
+                return None
+        lead = parties[members[0]]
+        renames = {lead: ({}, {})}
+        renames.update(
+            {parties[j]: _renaming(parties[j], lead, held) for j in members[1:]}
+        )
+        groups.append(PartyGroup(lead, tuple(parties[j] for j in members), renames))
+    if next(alone, None) is not None or [g.lead for g in groups] != sorted(
+        g.lead for g in groups
+    ):
+        return None
+    return tuple(groups)
+
+
+def lay_out(parties: tuple, groups: tuple | None, states: dict) -> list:
+    """
+    Each party's state (a ``NamedTuple`` with ``raw``, ``opt_state`` and ``slots``,
+    each party's in its own layout) in its group lead's layout, with its ``slots``:
+    ready to stack by group.
+
+    :param tuple parties: the party names.
+    :param groups: the :class:`PartyGroup` s (``None``: every party alone).
+    :param dict states: party -> its state.
+    :return: the laid-out states, in ``parties`` order.
+    """
+    lead_of = {p: (g.lead, g.renames[p][0]) for g in groups or () for p in g.parties}
+    laid = []
+    for p in parties:
+        lead, names = lead_of.get(p, (p, {}))
+        order = [parties.index(names.get(k, k)) for k in parties]
+        s = states[p]
+        laid.append(
+            s._replace(
+                raw=as_layout(states[lead].raw, s.raw),
+                opt_state=as_layout(states[lead].opt_state, s.opt_state),
+                slots=jnp.asarray(order, jnp.int32),
+            )
+        )
+    return laid
+
+
+def own_layouts(parties: tuple, laid: list, trees: dict) -> dict:
+    """The inverse of :func:`lay_out`: party -> its state in its own layout
+    (``trees``: party -> its state's tree structure), with identity slots."""
+    out = {}
+    for p, s in zip(parties, laid, strict=True):
+        own = jax.tree.unflatten(trees[p], jax.tree.leaves(s))
+        out[p] = own._replace(slots=jnp.arange(len(parties), dtype=jnp.int32))
+    return out
 
 
 def _probe(party_elbo, lead, rest, held, views, raws, key, idx) -> dict:
