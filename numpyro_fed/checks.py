@@ -112,16 +112,18 @@ def check_finite_array(name: str, value: Any, where: str) -> None:
         )
 
 
-def _field(path: tuple) -> str:
-    return "state" + jax.tree_util.keystr(path)
-
-
 def _dtype(x: Any) -> Any:
     return x.dtype if hasattr(x, "dtype") else np.result_type(x)
 
 
 def check_state_layout(
-    owner: str, state: Any, expected: Any, fix: str, *, dtypes: bool = True
+    owner: str,
+    state: Any,
+    expected: Any,
+    fix: str,
+    *,
+    dtypes: bool = True,
+    root: str = "state",
 ) -> None:
     """
     Raise unless ``state`` has the fields, shapes and dtypes of ``expected`` (the
@@ -134,13 +136,18 @@ def check_state_layout(
     :param expected: the expected state, leaves with ``shape`` and ``dtype``.
     :param str fix: what to do instead, appended to the error.
     :param bool dtypes: compare dtypes too (else shapes only).
+    :param str root: the name of ``state`` in the error (fields follow it).
     :raises ValueError: naming the first field that differs.
     """
+
+    def field(path: tuple) -> str:
+        return root + jax.tree_util.keystr(path)
+
     got, got_tree = jax.tree_util.tree_flatten_with_path(state)
     want, want_tree = jax.tree_util.tree_flatten_with_path(expected)
     if got_tree != want_tree:
-        have = {_field(p) for p, _ in got}
-        need = {_field(p) for p, _ in want}
+        have = {field(p) for p, _ in got}
+        need = {field(p) for p, _ in want}
         missing, extra = sorted(need - have), sorted(have - need)
         detail = (
             f"missing {missing[:4]}, unexpected {extra[:4]}"
@@ -156,7 +163,7 @@ def check_state_layout(
         if shape != tuple(e.shape) or (dtypes and dtype != e.dtype):
             need = f"{tuple(e.shape)} ({e.dtype})" if dtypes else f"{tuple(e.shape)}"
             raise ValueError(
-                f"{owner}: {_field(path)} has shape {shape} ({dtype}) but this data "
+                f"{owner}: {field(path)} has shape {shape} ({dtype}) but this data "
                 f"layout needs {need}: the state was made for data of another "
                 f"layout (number of silos or rows, padded units, array shapes); {fix}."
             )

@@ -370,3 +370,90 @@ def test_laplace_on_a_nonconvex_target_warns_and_stays_proper():
     np.testing.assert_allclose(q.prec[0], [[19e-8]], rtol=1e-6)
     np.testing.assert_allclose(q.h[0], [19e-8 * 0.5], rtol=1e-6)
     assert q.prec[1, 0, 0] > 1.0  # silo 1 is convex there: unclipped
+
+
+# ------------------------------------------------------------- issue 19 / 22
+def _weak(y, likelihood_scale=1.0, prior_scale=1e8):
+    """y ~ N(likelihood_scale * (a + b), 1): only a + b is identified; the prior
+    N(0, prior_scale) adds a curvature of prior_scale**-2 per coordinate."""
+    a = numpyro.sample("a", dist.Normal(0.0, prior_scale))
+    b = numpyro.sample("b", dist.Normal(0.0, prior_scale))
+    with nf.silo_plate("data", y.shape[0]):
+        numpyro.sample("y", dist.Normal(likelihood_scale * (a + b), 1.0), obs=y)
+
+
+def _weak_data():
+    y = np.array([0.3, -0.1, 0.4, 0.2, 0.9])
+    return nf.FederatedData.from_groups([0, 0, 0, 1, 1], y=y)
+
+
+def test_round_off_curvature_with_a_prior_share_is_clipped_as_documented():
+    """With prior_power > 0 the target is proper, so an eigenvalue at round-off of
+    the largest (here 1e-16 * w against 2 n, computed as zero or -1e-15) is raised
+    to the floor, with a warning, as docs/fsgld.md says. Before: refused with
+    "fit with prior_power > 0" although it was set. Without prior_power the same
+    singular Hessian is a likelihood that does not identify a + b: refused."""
+    data = _weak_data()
+    with pytest.warns(UserWarning, match=r"On silo\(s\) \[0, 1\] the fit ends where"):
+        q = nf.fit_surrogates(_weak, data, prior_power=0.5)
+    for s, n in enumerate((3, 2)):
+        eig = np.linalg.eigvalsh(q.prec[s])
+        np.testing.assert_allclose(eig, [1e-8 * 2 * n, 2 * n], rtol=1e-6)
+    with pytest.raises(ValueError, match="not positive definite .* prior_power > 0"):
+        nf.fit_surrogates(_weak, data)
+
+
+def test_a_numerically_zero_precision_is_refused_with_its_cause():
+    """Before: a precision of 1e-300 (or a fit's 1e-18) was accepted: relative to
+    the silo's own largest eigenvalue it is fine, but it is no Gaussian."""
+    tiny = GaussianNat(h=jnp.zeros((2, 1)), prec=jnp.array([[1.0], [1e-300]]))
+    with pytest.raises(ValueError, match="silo 1 has a precision that is numerically"):
+        check_surrogates(tiny)
+    with pytest.raises(ValueError, match="silo 0 has a precision that is numerically"):
+        check_surrogates(
+            GaussianNat(h=jnp.zeros((1, 2)), prec=1e-200 * jnp.eye(2)[None])
+        )
+    with pytest.raises(ValueError, match="silo 0 .*numerically zero"):
+        nf.FSGLD(_weak, 1e-3, tiny._replace(prec=tiny.prec[::-1]))
+    # a likelihood of 1e-9 * (a + b), with a prior share: the target is flat
+    data = _weak_data()
+    flat = lambda y: _weak(y, likelihood_scale=1e-9, prior_scale=1e9)  # noqa: E731
+    with pytest.raises(ValueError, match="numerically zero") as error:
+        nf.fit_surrogates(flat, data, prior_power=0.5)
+    assert "prior_power=0.5" in str(error.value)
+    assert "fit with prior_power > 0" not in str(error.value)
+
+    def faint(y):  # one coordinate, seen through a factor 1e-9
+        mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
+        with nf.silo_plate("data", y.shape[0]):
+            numpyro.sample("y", dist.Normal(1e-9 * mu, 1.0), obs=y)
+
+    with pytest.raises(ValueError, match="numerically zero .* prior_power > 0"):
+        nf.fit_surrogates(faint, data)
+
+
+@pytest.fixture
+def float32():
+    previous = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", False)
+    yield
+    jax.config.update("jax_enable_x64", previous)
+
+
+@pytest.mark.parametrize("covariance", ["full", "diag"])
+def test_laplace_in_float32_reaches_the_mode_without_a_warning(float32, covariance):
+    """The stopping tolerance follows the dtype (sqrt(eps)): before, float32 fits of
+    conjugate silos warned "stopped before a mode" (their relative gradient stalls
+    at round-off, up to 1e-5, above the float64 tolerance 1e-8)."""
+    rng = np.random.default_rng(0)
+    xs = [c + 0.5 * rng.normal(size=(50, 2)).astype(np.float32) for c in (-2, 0, 3)]
+    data = nf.FederatedData.from_silos([{"x": x} for x in xs])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        q = nf.fit_surrogates(blob_model, data, covariance=covariance, prior_power=0.5)
+    assert q.prec.dtype == jnp.float32
+    for s, x in enumerate(xs):
+        expected = 50 + 0.5 / 5
+        prec = q.prec[s] if covariance == "diag" else np.diag(q.prec[s])
+        np.testing.assert_allclose(prec, [expected, expected], rtol=1e-5)
+        np.testing.assert_allclose(q.h[s], x.sum(0), rtol=1e-4, atol=1e-3)

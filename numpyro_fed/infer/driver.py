@@ -218,12 +218,18 @@ class Driver:
                 f"{name} needs the FederatedState of init or of a run "
                 f"(result.state); got {type(state).__name__}."
             )
+        fix = f"start from {name}.init(key, data) on these data"
+        held = {np.shape(x)[0] for x in jax.tree.leaves(state.silos) if np.ndim(x)}
+        if held and held != {data.num_silos}:
+            raise ValueError(
+                f"{name}: the state holds {min(held)} silos but the data hold "
+                f"{data.num_silos}; {fix}."
+            )
         self._build(data)
         key = ("state", self._layout(data), state.rng_key.dtype, state.rng_key.shape)
         if key not in self._built:
             init = lambda k: self.init(k, data)  # noqa: E731
             self._built[key] = jax.eval_shape(init, state.rng_key)
-        fix = f"start from {name}.init(key, data) on these data"
         check_state_layout(name, state, self._built[key], fix)
 
     # ---------------------------------------------------------------- NumPyro API

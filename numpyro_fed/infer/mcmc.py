@@ -365,15 +365,21 @@ class FSGLD(MCMCKernel):
         self._sample_fn = self._step  # MCMC calls init while this is None
         return state
 
-    def _step(self, state: SGLDState, data: Any) -> SGLDState:
-        """One chain's step on ``data``, whose layout the chain must have."""
+    def _check_position(self, z: dict, data: Any) -> FederatedPotential:
+        """Raise unless ``z`` is a position on ``data``'s layout; return the
+        potential there."""
         pot = self.potential(data)
         shapes = {s.name: s.shape for s in pot.global_sites}
         shapes.update({s.name: (data.num_silos,) + s.shape for s in pot.local_sites})
-        z = {k: jax.ShapeDtypeStruct(v, float) for k, v in shapes.items()}
+        expected = {k: jax.ShapeDtypeStruct(v, float) for k, v in shapes.items()}
         fix = "start the chain on these data (init, or a new MCMC run)"
-        expected = state._replace(z=z)
-        check_state_layout(type(self).__name__, state, expected, fix, dtypes=False)
+        name = type(self).__name__
+        check_state_layout(name, z, expected, fix, dtypes=False, root="state.z")
+        return pot
+
+    def _step(self, state: SGLDState, data: Any) -> SGLDState:
+        """One chain's step on ``data``, whose layout the chain must have."""
+        pot = self._check_position(state.z, data)
         key = ("kernel",) + self._layout(data)
         if key not in self._built:
             # NaNs of a diverging chain show in its samples, as with NumPyro's kernels.
@@ -400,6 +406,7 @@ class FSGLD(MCMCKernel):
         pot = self._setup(data)[0]
 
         def constrain(z: dict) -> dict:
+            self._check_position(z, data)
             z_global, z_local = pot.split(z)
             values = pot.constrain(z_global)
             values.update(data.gather_units(pot.constrain(z_local)))

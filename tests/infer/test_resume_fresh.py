@@ -20,7 +20,7 @@ import numpyro_fed as nf
 from numpyro_fed.runtime.checkpoint import load_checkpoint, save_checkpoint
 from tests import _models as m
 
-FED = nf.federate(m.hierarchical, silos="group")
+FED = nf.federate(m.normal_normal, silos="group")
 MAKE = {
     "SFVI": lambda: nf.SFVI(FED, nf.AutoMeanField(FED), optax.adam(0.05)),
     "SFVIAvg": lambda: nf.SFVIAvg(
@@ -35,9 +35,8 @@ MAKE = {
 
 def _data():
     """Three silos of 2, 2 and 3 groups (padded): local latents in every state."""
-    return nf.FederatedData.from_groups(
-        np.array([0, 0, 1, 1, 2, 2, 2]), **m.hierarchical_data()
-    )
+    y = np.random.default_rng(0).normal(size=(7, 3)) + 1.0
+    return nf.FederatedData.from_groups(np.array([0, 0, 1, 1, 2, 2, 2]), y=y)
 
 
 def _vertical():
@@ -81,12 +80,18 @@ def assert_resumed(resumed, whole, k):
     assert jnp.array_equal(resumed.losses, whole.losses[k:])
 
 
-@pytest.mark.parametrize("progress_bar", [False, True], ids=["scan", "loop"])
-@pytest.mark.parametrize("name", [*MAKE, "VerticalSFVI"])
+# (class, progress bar): a run scans without one (VerticalSFVI loops either way at
+# this length); SFVI's loop covers the jitted round of the other mode.
+CASES = [(name, False) for name in [*MAKE, "VerticalSFVI"]] + [("SFVI", True)]
+
+
+@pytest.mark.parametrize(
+    "name, progress_bar",
+    CASES,
+    ids=[f"{n}-{'loop' if b else 'scan'}" for n, b in CASES],
+)
 def test_a_fresh_object_resumes_a_state_bit_for_bit(name, progress_bar):
     make, data = _case(name)
-    if name == "VerticalSFVI" and progress_bar:
-        pytest.skip("VerticalSFVI loops below min_scan_steps rounds either way")
     k, key, kw = 2, jax.random.key(0), {"progress_bar": progress_bar}
     first = make()
     whole = first.run(key, 2 * k, data, **kw)
@@ -127,7 +132,7 @@ save_checkpoint(out, {"state": again.state, "losses": again.losses}, step=5)
 """
 
 
-@pytest.mark.parametrize("name", ["SFVI", "PVI"])
+@pytest.mark.parametrize("name", ["PVI"])
 def test_a_new_process_resumes_from_the_checkpoint_files_bit_for_bit(name, tmp_path):
     """Two rounds here, saved; two more in a new Python process on a new object,
     from the saved state (init_state) and from the run's checkpoints (resume)."""
