@@ -119,9 +119,11 @@ from numpyro_fed.runtime.checkpoint import load_checkpoint, save_checkpoint
 from tests.infer.test_resume_fresh import MAKE, _data
 
 name, states, out, runs = sys.argv[1:]
-algo, data = MAKE[name](), _data()
-template = {"state": algo.init(jax.random.key(123), data)}
+data = _data()
+# the template from another object: the one that resumes has built nothing yet
+template = {"state": MAKE[name]().init(jax.random.key(123), data)}
 state = load_checkpoint(states, template)[0]["state"]
+algo = MAKE[name]()
 result = algo.run(jax.random.key(5), 2, data, init_state=state, progress_bar=False)
 save_checkpoint(out, {"state": result.state, "losses": result.losses}, step=4)
 # the other way back: the run's own checkpoints, resumed by a new object
