@@ -50,9 +50,10 @@ import jax.numpy as jnp
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed.expfam import GaussianNat, grad_log_density
+from numpyro_fed.guard import guard_nonfinite
 from numpyro_fed.potentials import FederatedPotential, batch_indices
 from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
-from numpyro_fed.util import all_finite, take, tree_where
+from numpyro_fed.util import take, tree_where
 
 __all__ = [
     "Estimator",
@@ -413,10 +414,6 @@ def fsgld(
         (_, z_local), trajectory = jax.lax.scan(
             body, start, jnp.arange(steps, dtype=jnp.int32), unroll=steps == 1
         )
-        # The server drops a non-finite trajectory; the silo keeps its locals then.
-        if z_local and reject_nonfinite:
-            ok = all_finite((trajectory, z_local))
-            z_local = tree_where(ok, z_local, state.z_local)
         return FSGLDSiloMessage(trajectory), FSGLDSiloState(z_local)
 
     def select(state: FSGLDServerState, key: jax.Array, num: int) -> jax.Array:
@@ -428,11 +425,10 @@ def fsgld(
         silo = state.silo
         reply = take(replies, silo)
         arrived = participating[silo]
-        finite = all_finite(reply) if reject_nonfinite else jnp.array(True)
         here = jax.tree.map(
             lambda x: jnp.broadcast_to(x, (steps,) + jnp.shape(x)), state.z_global
         )
-        trajectory = tree_where(arrived & finite, reply.trajectory, here)
+        trajectory = tree_where(arrived, reply.trajectory, here)
         step = jnp.where(arrived, state.step + steps, state.step)
         # The Cat(f) draw costs O(J) (a Gumbel per silo): a cond pays it once per
         # visit, not every step (under vmap with per-chain counters it is a select).
@@ -442,13 +438,15 @@ def fsgld(
             lambda: silo,
         )
         new = FSGLDServerState(take(trajectory, -1), step, silo, state.rng_key)
-        rejected = (jnp.arange(num_silos) == state.silo) & arrived & ~finite
         loss = jnp.zeros((), jnp.result_type(float))
-        return new, FSGLDInfo(loss, rejected, trajectory)
+        return new, FSGLDInfo(loss, jnp.zeros_like(participating), trajectory)
 
-    return FederatedAlgorithm(
+    algorithm = FederatedAlgorithm(
         init_server, init_silo, server_message, silo_step, server_step, select
     )
+    # The MCMC kernel keeps a diverging chain's NaNs in its samples, as NumPyro's
+    # kernels do; every other runtime rejects a non-finite trajectory.
+    return guard_nonfinite(algorithm) if reject_nonfinite else algorithm
 
 
 def dsgld(

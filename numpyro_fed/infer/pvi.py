@@ -115,6 +115,8 @@ class PVI(Driver):
         up to ``max_staleness`` updates old: ``"events"`` with staleness).
     :param str runtime: run the schedule's rounds on another runtime instead, e.g.
         ``"sequential"`` (synchronous rounds, one silo at a time in Python).
+    :param float max_rejected: stop when a silo's replies were rejected in more than
+        this fraction of its rounds (see :class:`~numpyro_fed.infer.driver.Driver`).
     :param float participation: fraction of silos that take part in a round.
     :param int num_particles: Monte Carlo draws per local step.
     :param bool analytic_kl: closed-form KL to the cavity (lower variance).
@@ -186,6 +188,7 @@ class PVI(Driver):
         order: str = "cyclic",
         init: str = "prior",
         runtime: str | None = None,
+        max_rejected: float | None = 0.25,
     ) -> None:
         if schedule not in _SCHEDULES:
             raise ValueError(
@@ -213,6 +216,7 @@ class PVI(Driver):
             participation=participation,
             order=order,
             max_staleness=max_staleness if schedule == "asynchronous" else 0,
+            max_rejected=max_rejected,
         )
         self.model = model
         self.guide = _resolve_guide(model, guide)

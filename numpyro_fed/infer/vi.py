@@ -4,6 +4,7 @@
 :func:`~numpyro_fed.algorithms.sfvi.sfvi` and
 :func:`~numpyro_fed.algorithms.sfvi_avg.sfvi_avg`."""
 
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -47,6 +48,24 @@ def check_optimizer(name: str, optim: Any) -> None:
             f"{name} must be an optax.GradientTransformation such as optax.adam(1e-2);"
             f" got {type(optim).__name__}."
         )
+    # A NaN or negative learning rate runs, and returns NaNs or parameters that
+    # never move: one step on a unit gradient shows it before any work.
+    x = jnp.ones((1,))
+    try:
+        update = optim.update(x, optim.init(x), x)[0]
+    except Exception:  # an optimizer that needs more than (grads, state, params)
+        return
+    update = float(jnp.ravel(update)[0])
+    if not math.isfinite(update):
+        raise ValueError(
+            f"{name} gives a non-finite update ({update}) for a unit gradient: is its "
+            "learning rate NaN or infinite?"
+        )
+    if update > 0:
+        raise ValueError(
+            f"{name} steps up a unit gradient (update {update:+.3g}): optax "
+            "minimizes, so its learning rate must be positive."
+        )
 
 
 def local_params(constraints: dict, silos: Any) -> dict:
@@ -81,8 +100,8 @@ class SFVI(Driver):
     :param bool reproducible: silos derive their local noise from the round key and
         their units' pooled indices, so any partition gives the same draws as
         centralized SVI. ``False``: each silo draws from a key of its own.
-    :param runtime_options: ``runtime``, ``participation``, ``order`` and
-        ``max_staleness``, as for every algorithm (:class:`~numpyro_fed.infer.driver.Driver`);
+    :param runtime_options: ``runtime``, ``participation``, ``order``,
+        ``max_staleness`` and ``max_rejected``, as for every algorithm (:class:`~numpyro_fed.infer.driver.Driver`);
         with partial participation the server rescales what it gets.
 
     **Example:**

@@ -249,6 +249,21 @@ def test_non_finite_reply_is_rejected_and_the_run_goes_on(prepared):
         assert bool(all_finite(take(new_silos, j)))
 
 
+def test_rejected_reply_counts_as_a_silo_that_did_not_take_part(prepared):
+    """The non-finite guard's promise, exactly: a round in which silo j's reply is
+    rejected ends in the same states, bit for bit, as the round in which silo j was
+    not contacted (its data poisoned or not)."""
+    server, silos, silo_data, server_key, silo_keys = prepared.args
+    algorithm, num_silos = prepared.case.algorithm, prepared.case.data.num_silos
+    contacted = np.asarray(algorithm.select(server, server_key, num_silos))
+    bad_silo = 1 if contacted.all() else int(np.argmax(contacted))
+    bad = prepared.case.poison(silo_data, bad_silo)
+    absent = jnp.arange(num_silos) != bad_silo
+    poisoned = prepared.round_fn(server, silos, bad, server_key, silo_keys)
+    without = prepared.round_fn(server, silos, silo_data, server_key, silo_keys, absent)
+    m.tree_allclose(poisoned[:2], without[:2], rtol=1e-13, atol=1e-15)
+
+
 def test_events_runtime_runs_it(prepared):
     case = prepared.case
     server, silos, silo_data, _, silo_keys = prepared.args

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import numpyro_fed as nf
+from numpyro_fed.guard import SiloFailure
 from tests import _models as m
 
 ALGORITHMS = {
@@ -122,7 +123,9 @@ def test_rejected_silos_are_named_in_a_warning_and_the_history():
     bad = jax.tree.map(lambda x: x, data)  # a copy, to corrupt silo 2 after checks
     bad.arrays = {**data.arrays, "y": data.arrays["y"].at[2].set(jnp.nan)}
     svi = ALGORITHMS["SFVI"](fed)
-    with pytest.warns(UserWarning, match="silo 2 \\(4x\\)"):
-        result = svi.run(jax.random.key(0), 4, bad, progress_bar=False)
+    # Rejected in every round: the run stops naming the silo, its result attached.
+    with pytest.raises(SiloFailure, match="silo 2 \\(4 of 4 rounds\\)") as err:
+        svi.run(jax.random.key(0), 4, bad, progress_bar=False)
+    result = err.value.result
     assert np.asarray(result.history["rejected"]).sum(0).tolist() == [0, 0, 4]
     assert np.all(np.isfinite(result.params.eta_global["loc"]))
