@@ -110,12 +110,12 @@ def server_log_density(
     """
     The server term :math:`\\log p_\\theta(z_G)`: the sites outside the silo plate.
 
-    The model runs on ``template``, arrays shaped like one unit of silo data and filled
-    with zeros: the server never needs data, only the shapes that size global sites.
+    The model runs on ``template`` (:func:`data_template`): only the sites outside
+    the silo plate are summed, so the value is the same whichever unit it holds.
 
     :param callable model: the federated model.
     :param str plate: the silo plate's name.
-    :param dict template: data-free arrays with the model's layout.
+    :param dict template: one unit of silo data in the model's layout.
     :param dict values: constrained values of the global sites and param sites.
     :return: a scalar.
     """
@@ -126,8 +126,11 @@ def server_log_density(
 
 
 def data_template(arrays: dict[str, Any]) -> dict[str, jax.Array]:
-    """Zero arrays shaped like one unit of ``arrays`` (leading axis of size 1)."""
-    return {
-        name: jnp.zeros((1,) + jnp.shape(value)[1:], jnp.asarray(value).dtype)
-        for name, value in arrays.items()
-    }
+    """The first unit of one silo's own ``arrays`` (leading axis of length 1).
+
+    The server term runs the model on it only for the shapes that size the global
+    sites: the sites inside the silo plate are left out of the sum. Real values, not
+    an all-zero stand-in, keep NumPyro's argument checks valid when data sit in a
+    scale, rate or count parameter (eight schools' known standard errors).
+    """
+    return {name: jnp.asarray(value)[:1] for name, value in arrays.items()}

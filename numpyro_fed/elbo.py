@@ -130,7 +130,7 @@ def server_terms(
     stop: Callable = lambda x: x,
 ) -> tuple[jax.Array, jax.Array]:
     """``(log p(z_G), log q(z_G))``: the server's terms at one global draw, the model
-    run on the data-free ``template``."""
+    run on ``template``, one unit of silo data."""
     log_q = jnp.zeros(())
     if eta_global:
         log_q = guide.log_q_global(stop(eta_global), draw.z) - draw.log_det

@@ -224,7 +224,7 @@ class FederatedPotential:
     def init_global(
         self, key: jax.Array, init_strategy: Callable = init_to_uniform
     ) -> dict:
-        """Initial global sites from the data-free template (what a server can do)."""
+        """Initial global sites from the template (one unit of silo data)."""
         values = self._init_values(key, self._template, init_strategy)
         return self.split(values)[0]
 

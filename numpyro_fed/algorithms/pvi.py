@@ -253,7 +253,7 @@ def pvi(
     :param guide: an :class:`~numpyro_fed.AutoStructured` guide, already set up; its
         global factor (``global_cov="diag"`` or ``"full"``) is the PVI family.
     :param local_optim: the silos' optax optimizer.
-    :param dict template: data-free arrays shaped like one unit of silo data.
+    :param dict template: one unit of silo data (:func:`~numpyro_fed.densities.data_template`).
     :param int num_silos: :math:`J` (the server keeps one acknowledgement per silo).
     :param int local_steps: optimizer steps (or fixed-point iterations) per round.
     :param float damping: :math:`\\rho \\in (0, 1]` (1 = undamped).

@@ -185,11 +185,14 @@ class Driver:
         chain, for :mod:`numpyro_fed.runtime.flower` (or any transport over
         :mod:`numpyro_fed.runtime.remote`).
 
-        ``data`` only gives the layout (silo count, padded units, array shapes); in a
-        deployment it can be zeros of that layout. Each silo then draws its own keys,
-        so a deployed SFVI is ``reproducible=False``.
+        ``data`` gives the layout (silo count, padded units, array shapes) and, in its
+        silo 0, the one unit on which the server runs the model to size the global
+        sites (:func:`~numpyro_fed.densities.data_template`): in a deployment, values
+        valid for the model (zeros fail where data sit in a scale parameter). Each
+        silo then draws its own keys, so a deployed SFVI is ``reproducible=False``.
 
-        :param FederatedData data: the silos' data, or zeros of their layout.
+        :param FederatedData data: the silos' data, or valid stand-ins of their
+            layout.
         :rtype: ~numpyro_fed.runtime.remote.Federation
         """
         algorithm, _ = self._build(data)
