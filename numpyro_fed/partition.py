@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from numpyro import handlers
+import numpyro.distributions as dist
 from numpyro.distributions import biject_to, constraints
 from numpyro.infer.inspect import get_model_relations
 
@@ -54,6 +55,8 @@ class ModelRoles(NamedTuple):
     - **local_sites** - latent sample sites inside the silo plate (Z_L).
     - **observed_sites** - observed sites inside the silo plate (the silos' likelihood).
     - **param_sites** - ``numpyro.param`` sites of the model (theta, global).
+    - **factor_sites** - ``numpyro.factor`` sites outside the silo plate: prior terms
+      of the global sites, part of the server's term.
     """
 
     silo_plate: str
@@ -63,6 +66,7 @@ class ModelRoles(NamedTuple):
     local_sites: tuple[str, ...]
     observed_sites: tuple[str, ...]
     param_sites: tuple[str, ...]
+    factor_sites: tuple[str, ...] = ()
 
 
 def call_model(model: Callable, arrays: dict, args: tuple, kwargs: dict) -> Any:
@@ -168,6 +172,11 @@ def analyze(model: Callable, data: Any, *args: Any, **kwargs: Any) -> ModelRoles
     roles = _roles(model, trace, data.num_units)
     plate_site = trace.get(roles.silo_plate)
     size = int(plate_site["args"][0])
+    _check_not_subsampled(roles.silo_plate, plate_site, 0)
+    largest = int(np.argmax(data.sizes))
+    if data.sizes[largest] > data.sizes[0]:  # a fixed subsample_size shows there
+        run = _trace(model, data.silo(largest), args, kwargs)
+        _check_not_subsampled(roles.silo_plate, run[roles.silo_plate], largest)
     if size != data.sizes[0]:
         raise ValueError(
             f"Silo plate {roles.silo_plate!r} has size {size} when the model runs on "
@@ -175,10 +184,56 @@ def analyze(model: Callable, data: Any, *args: Any, **kwargs: Any) -> ModelRoles
             "(e.g. X.shape[0]) so that each silo's run sees its own units, and split "
             "every array along that plate's axis."
         )
+    _check_global_shapes(model, roles, trace, arrays, args, kwargs)
     _check_dependencies(
         model, arrays, args, kwargs, roles.global_sites, roles.local_sites
     )
     return roles
+
+
+def _check_not_subsampled(plate: str, site: dict, silo: int) -> None:
+    size, subsample_size = site["args"][:2]
+    if subsample_size is not None and int(subsample_size) != int(size):
+        raise ValueError(
+            f"The silo plate {plate!r} has subsample_size={subsample_size} (silo "
+            f"{silo} holds {size} units): each silo evaluates all of its own units, "
+            "so the silo plate cannot be subsampled. Remove subsample_size (to visit "
+            "fewer silos per round, use the algorithm's participation option)."
+        )
+
+
+def _check_global_shapes(model, roles, trace, arrays, args, kwargs) -> None:
+    """Global sites must not change with the number of units: run the model on one
+    and on two units (silo 0's first, repeated). Each run is seeded alike, so global
+    sites of equal shapes take equal values."""
+    runs = {len(next(iter(arrays.values()))): trace}
+    for units in (1, 2):
+        few = {
+            k: jnp.repeat(jnp.asarray(v)[:1], units, axis=0) for k, v in arrays.items()
+        }
+        runs[units] = _trace(model, few, args, kwargs)
+    plate = roles.silo_plate
+    for name in roles.global_sites + roles.param_sites + roles.factor_sites:
+        shapes = {n: tuple(jnp.shape(t[name]["value"])) for n, t in runs.items()}
+        if len(set(shapes.values())) > 1:
+            where = ", ".join(
+                f"{s} with {n} unit(s)" for n, s in sorted(shapes.items())
+            )
+            raise ValueError(
+                f"Site {name!r} lies outside the silo plate {plate!r} but its shape "
+                f"follows the number of units ({where}): it is per unit, not global. "
+                f"Sample it inside the plate {plate!r} (e.g. under the same "
+                "numpyro.plate as the observations)."
+            )
+    for name in roles.factor_sites:
+        logs = [np.asarray(t[name]["fn"].log_factor) for t in runs.values()]
+        if not all(np.allclose(logs[0], x, rtol=1e-6, atol=0) for x in logs[1:]):
+            raise ValueError(
+                f"numpyro.factor {name!r} lies outside the silo plate {plate!r} but "
+                "its value depends on the silo's data; the server evaluates global "
+                "terms without data. Move it inside the plate (a likelihood term of "
+                "the units) or make it a function of global sites only."
+            )
 
 
 def analyze_call(model: Callable, args: tuple, kwargs: dict) -> ModelRoles:
@@ -192,7 +247,7 @@ def analyze_call(model: Callable, args: tuple, kwargs: dict) -> ModelRoles:
 def _roles(model: Callable, trace: dict, num_units: int) -> ModelRoles:
     plate = _silo_plate(model, trace)
     frame = _plate_frames(trace).get(plate)
-    global_sites, local_sites, observed, params = [], [], [], []
+    global_sites, local_sites, observed, params, factors = [], [], [], [], []
     for name, site in trace.items():
         inside = silo_plate_name(site) == plate
         if site["type"] == "param":
@@ -204,6 +259,9 @@ def _roles(model: Callable, trace: dict, num_units: int) -> ModelRoles:
             params.append(name)
         elif site["type"] == "sample":
             if site["is_observed"]:
+                if not inside and isinstance(site["fn"], dist.Unit):
+                    factors.append(name)
+                    continue
                 if not inside:
                     raise ValueError(
                         f"Observed site {name!r} lies outside the silo plate {plate!r}: "
@@ -225,6 +283,7 @@ def _roles(model: Callable, trace: dict, num_units: int) -> ModelRoles:
         local_sites=tuple(local_sites),
         observed_sites=tuple(observed),
         param_sites=tuple(params),
+        factor_sites=tuple(factors),
     )
 
 

@@ -148,6 +148,41 @@ class AutoStructured:
         self._setup(roles, data.silo(0), args, kwargs)
         return roles
 
+    def check_model(self, model: Callable, data: Any, *args: Any, **kwargs: Any):
+        """Raise unless ``model`` has this guide's latent sites (names, shapes,
+        supports) and silo plate: an algorithm given a guide built for another model.
+
+        :param callable model: the model the algorithm fits.
+        :param FederatedData data: the federated data set.
+        :raises ValueError: naming the sites that differ.
+        """
+        self._require_setup()
+        if model is self.model:
+            return
+        roles = analyze(model, data, *args, **kwargs)
+        specs, _ = site_specs(model, roles, data.silo(0), args, kwargs)
+        mine = {**self.global_specs, **self.local_specs}
+
+        def signature(spec):
+            return spec.shape, spec.unit_axis is None, str(spec.support)
+
+        differ = sorted(
+            set(specs).symmetric_difference(mine)
+            | {
+                n
+                for n in set(specs) & set(mine)
+                if signature(specs[n]) != signature(mine[n])
+            }
+        )
+        if differ or roles.silo_plate != self.roles.silo_plate:
+            raise ValueError(
+                "The guide was built for another model: latent sites "
+                f"{differ} differ (the model has {sorted(specs)} in silo plate "
+                f"{roles.silo_plate!r}, the guide {sorted(mine)} in "
+                f"{self.roles.silo_plate!r}). Build it from the model you fit, e.g. "
+                "nf.AutoStructured(model)."
+            )
+
     def _setup(self, roles: ModelRoles, arrays: dict, args: tuple, kwargs: dict):
         specs, params = site_specs(self.model, roles, arrays, args, kwargs)
         self.roles = roles
