@@ -25,27 +25,42 @@ __all__ = ["data_template", "server_log_density", "silo_log_density", "silo_mask
 
 class silo_mask(Messenger):
     """
-    Mask the sites of the silo plate at padded units, so that a padded silo
-    contributes exactly what its real units contribute.
+    Mask the sites of the silo plate at padded units and at padded entries of ragged
+    nested plates, so that a padded silo contributes exactly what its real entries
+    contribute.
 
     :param callable fn: the model.
     :param str plate: name of the silo plate.
-    :param jax.Array mask: boolean array of shape ``(P,)``, True for real units.
+    :param jax.Array mask: boolean array of shape ``(P,)``, True for real units, or
+        ``None`` (no padded units).
+    :param dict nested: plate name -> the silo's real size of that nested plate.
     """
 
-    def __init__(self, fn: Callable | None, plate: str, mask: jax.Array) -> None:
+    def __init__(
+        self,
+        fn: Callable | None,
+        plate: str,
+        mask: jax.Array | None,
+        nested: dict | None = None,
+    ) -> None:
         self.plate = plate
         self.mask = mask
+        self.nested = nested or {}
         super().__init__(fn)
 
     def process_message(self, msg: dict) -> None:
-        if msg["type"] != "sample":
+        if msg["type"] != "sample" or not _in_plate(msg, self.plate):
             return
+        mask = True
         for frame in msg["cond_indep_stack"]:
-            if frame.name == self.plate:
-                mask = self.mask.reshape(self.mask.shape + (1,) * (-frame.dim - 1))
-                msg["fn"] = msg["fn"].mask(mask)
-                return
+            trailing = (1,) * (-frame.dim - 1)
+            if frame.name == self.plate and self.mask is not None:
+                mask = mask & self.mask.reshape(self.mask.shape + trailing)
+            elif frame.name in self.nested:
+                real = jnp.arange(frame.size) < self.nested[frame.name]
+                mask = mask & real.reshape(real.shape + trailing)
+        if mask is not True:
+            msg["fn"] = msg["fn"].mask(mask)
 
 
 def _in_plate(site: dict, plate: str) -> bool:
@@ -76,6 +91,7 @@ def silo_log_density(
     args: tuple = (),
     kwargs: dict | None = None,
     observed_fn: Callable | None = None,
+    nested: dict | None = None,
 ) -> jax.Array:
     """
     One silo's term :math:`\\log p_\\theta(y_j, z_{L_j} \\mid z_G)`.
@@ -90,11 +106,14 @@ def silo_log_density(
     :param callable observed_fn: optional ``(site, log_prob) -> value`` applied to the
         elementwise log-likelihood of each observed site before summing (a robust
         loss in place of the log-likelihood, for generalized VI).
+    :param dict nested: plate name -> the silo's real size of each ragged nested
+        plate (:attr:`~numpyro_fed.protocol.SiloData.nested`); entries beyond it are
+        masked out.
     :return: a scalar.
     """
     masked = handlers.substitute(model, data=values)
-    if mask is not None:
-        masked = silo_mask(masked, plate, mask)
+    if mask is not None or nested:
+        masked = silo_mask(masked, plate, mask, nested)
     trace = handlers.trace(masked).get_trace(*args, **(kwargs or {}), **arrays)
     return _sum_log_probs(trace, lambda site: _in_plate(site, plate), observed_fn)
 

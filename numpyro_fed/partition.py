@@ -21,6 +21,7 @@ __all__ = [
     "analyze",
     "analyze_call",
     "call_model",
+    "nested_sizes",
     "site_specs",
 ]
 
@@ -35,6 +36,8 @@ class SiteSpec(NamedTuple):
     - **unit_axis** - axis of the silo plate in the value, or ``None`` for a global site.
     - **support** - the site's support constraint.
     - **event_dim** - event dimension of the site's distribution.
+    - **plates** - ``(plate name, axis)`` of every other plate the site lies in, with
+      the plate's axis in the value (the unit axis not removed).
     """
 
     name: str
@@ -43,6 +46,7 @@ class SiteSpec(NamedTuple):
     unit_axis: int | None
     support: Any
     event_dim: int
+    plates: tuple = ()
 
 
 class ModelRoles(NamedTuple):
@@ -306,6 +310,11 @@ def site_specs(
         unit_axis = None
         if name in roles.local_sites:
             unit_axis = value.ndim - event_dim + roles.silo_dim
+        plates = tuple(
+            (f.name, value.ndim - event_dim + f.dim)
+            for f in site["cond_indep_stack"]
+            if f.name != roles.silo_plate
+        )
         specs[name] = SiteSpec(
             name,
             tuple(value.shape),
@@ -313,6 +322,7 @@ def site_specs(
             unit_axis,
             support,
             event_dim,
+            plates,
         )
     params = {}
     for name in roles.param_sites:
@@ -320,3 +330,91 @@ def site_specs(
         constraint = site["kwargs"].get("constraint") or constraints.real
         params[name] = (np.asarray(site["value"]), constraint)
     return specs, params
+
+
+def _plate_sizes(trace: dict, plates: set) -> dict[str, int]:
+    return {
+        f.name: int(f.size)
+        for site in trace.values()
+        for f in site.get("cond_indep_stack", ())
+        if f.name in plates
+    }
+
+
+def nested_sizes(
+    model: Callable, data: Any, roles: ModelRoles, *args: Any, **kwargs: Any
+) -> dict[str, np.ndarray]:
+    """
+    Each silo's real size of every plate nested in the silo plate that is ragged
+    across silos (one county per silo, each with its own number of homes).
+
+    Silos are padded to a common shape, so a nested plate sized from the data has its
+    padded size in every silo's run; its entries beyond the silo's real size are
+    padding, which :class:`~numpyro_fed.densities.silo_mask` and the guide mask out.
+    The real sizes come from running the model on each silo's own (unpadded) arrays,
+    once per distinct shape.
+
+    :param callable model: the federated model.
+    :param FederatedData data: the federated data set.
+    :param ModelRoles roles: the model's roles (:func:`analyze`).
+    :return: plate name -> ``(J,)`` int32 real sizes (empty when no array is ragged).
+    :raises ValueError: naming the site and silo, when a ragged array reaches a
+        site along an axis that is not a plate nested in the silo plate (an event
+        axis, or an axis outside the silo plate), where padding cannot be masked.
+    """
+    if not data.ragged:
+        return {}
+    padded = _trace(model, {k: v[0] for k, v in data.arrays.items()}, args, kwargs)
+    inner = {
+        f.name
+        for site in padded.values()
+        if site["type"] == "sample" and silo_plate_name(site) == roles.silo_plate
+        for f in site["cond_indep_stack"]
+        if f.name != roles.silo_plate
+    }
+    full = _plate_sizes(padded, inner)
+    sizes = {
+        name: np.full(data.num_silos, size, np.int32) for name, size in full.items()
+    }
+    seen: dict[tuple, int] = {}
+    for j, shapes in enumerate(data.silo_shapes):
+        signature = tuple(shape[1:] for shape in shapes.values())
+        if signature in seen:
+            for name in sizes:
+                sizes[name][j] = sizes[name][seen[signature]]
+            continue
+        seen[signature] = j
+        own = _trace(model, data.silo(j), args, kwargs)
+        for name, size in _plate_sizes(own, inner).items():
+            sizes[name][j] = size
+        _check_ragged_sites(own, padded, roles.silo_plate, j)
+    return {name: s for name, s in sizes.items() if (s != full[name]).any()}
+
+
+def _check_ragged_sites(own: dict, padded: dict, plate: str, silo: int) -> None:
+    """Sites of a silo's own run may differ from the padded run only along plates
+    nested in the silo plate (or the silo plate itself)."""
+    for name, site in padded.items():
+        if site["type"] not in ("sample", "param") or name not in own:
+            continue
+        shape, real = jnp.shape(site["value"]), jnp.shape(own[name]["value"])
+        if shape == real:
+            continue
+        event_dim = site["fn"].event_dim if site["type"] == "sample" else 0
+        inside = silo_plate_name(site) == plate
+        masked = {
+            len(shape) - event_dim + f.dim
+            for f in site.get("cond_indep_stack", ())
+            if inside
+        }
+        axes = [i for i, (a, b) in enumerate(zip(shape, real, strict=False)) if a != b]
+        if len(shape) != len(real) or not set(axes) <= masked:
+            where = "inside" if inside else "outside"
+            raise ValueError(
+                f"Site {name!r} ({where} the silo plate {plate!r}) has shape "
+                f"{tuple(real)} on silo {silo}'s own data but {tuple(shape)} once "
+                "silos are padded to a common shape, along an axis that is not a "
+                f"plate nested in {plate!r}: padding there cannot be masked. Put "
+                f"that axis under a numpyro.plate inside {plate!r} (a ragged event "
+                "dimension or a global site sized by ragged data cannot be federated)."
+            )

@@ -93,3 +93,37 @@ def test_subsample_size_on_silo_plate_is_named():
         nf.SFVI(fed, nf.AutoStructured(fed), optax.adam(0.05)).init(
             jax.random.key(0), data
         )
+
+
+def ragged_event(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+    with numpyro.plate("county", y.shape[0]):
+        # The ragged axis is an event axis, not a plate: its padding has no mask.
+        numpyro.sample(
+            "y", dist.Normal(mu, 1.0).expand([y.shape[1]]).to_event(1), obs=y
+        )
+
+
+RAGGED = [{"y": np.ones((1, 3))}, {"y": np.ones((1, 5))}]
+
+
+def test_ragged_axis_that_is_not_a_nested_plate_is_named():
+    fed = nf.federate(ragged_event, silos="county")
+    data = nf.FederatedData.from_silos(RAGGED)
+    svi = nf.SFVI(fed, nf.AutoStructured(fed), optax.adam(0.05))
+    with pytest.raises(ValueError, match=r"Site 'y'.*silo 0.*not a\s+plate nested"):
+        svi.init(jax.random.key(0), data)
+
+
+def test_samplers_refuse_ragged_nested_plates():
+    from numpyro_fed.potentials import federated_potential
+
+    def model(y):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+        with numpyro.plate("county", y.shape[0], dim=-2):
+            with numpyro.plate("home", y.shape[1], dim=-1):
+                numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+    data = nf.FederatedData.from_silos(RAGGED)
+    with pytest.raises(NotImplementedError, match=r"\['home'\].*ragged"):
+        federated_potential(nf.federate(model, silos="county"), data)

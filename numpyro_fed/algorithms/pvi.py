@@ -297,9 +297,8 @@ def pvi(
     def silo_lik(values: dict, data: SiloData) -> jax.Array:
         """log p(y_m, z_m | u, theta) (or its robust-loss version) at site values."""
         mask = data.mask if padded else None
-        return silo_log_density(
-            model, plate, data.arrays, mask, values, observed_fn=observed_fn
-        )
+        options = dict(observed_fn=observed_fn, nested=data.nested)
+        return silo_log_density(model, plate, data.arrays, mask, values, **options)
 
     def silo_term(glob_u, eta_l_u, theta_u, key, data: SiloData):
         """One draw of log p(y_m, z_m | u) - log q(z_m | u) and the global draw."""

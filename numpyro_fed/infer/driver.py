@@ -115,6 +115,8 @@ class Driver:
         self.order = order
         self.max_staleness = max_staleness
         self._built: dict = {}
+        # Per layout: real sizes of the ragged nested plates (set by ``_setup``).
+        self._nested: dict = {}
 
     # ------------------------------------------------------------- subclass hooks
     def _make_algorithm(self, data: Any) -> FederatedAlgorithm:
@@ -126,8 +128,9 @@ class Driver:
 
     def _silo_data(self, data: Any) -> Any:
         """The silos' data as the round function takes it (default: the stacked
-        :class:`~numpyro_fed.protocol.SiloData`)."""
-        return silo_data_of(data)
+        :class:`~numpyro_fed.protocol.SiloData`, with the real sizes of the
+        ragged nested plates that ``_setup`` found)."""
+        return silo_data_of(data, self._nested.get(self._layout(data)))
 
     def _round_keys(self, rng_key: jax.Array, num_silos: int):
         """``(next_rng_key, server_key, silo_keys)`` of one round."""

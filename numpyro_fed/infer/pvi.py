@@ -26,6 +26,7 @@ from numpyro_fed.families.structured import AutoMeanField, AutoStructured
 from numpyro_fed.infer.driver import Driver, FederatedState, RunResult
 from numpyro_fed.infer.posterior import sample_structured
 from numpyro_fed.infer.vi import check_optimizer, check_positive_int, local_params
+from numpyro_fed.partition import nested_sizes
 from numpyro_fed.util import constrain
 
 __all__ = ["FedGVI", "InvalidCavity", "PVI", "PVIParams"]
@@ -238,6 +239,7 @@ class PVI(Driver):
     def _setup(self, data: Any) -> None:
         roles = self.guide.setup(data)
         self.guide.check_model(self.model, data)
+        self._nested[self._layout(data)] = nested_sizes(self.model, data, roles)
         if not roles.global_sites:
             raise ValueError(
                 "PVI approximates the posterior of global latent sites, and this model "

@@ -25,6 +25,7 @@ from numpyro_fed.families.structured import (
 )
 from numpyro_fed.infer.driver import Driver, FederatedState
 from numpyro_fed.infer.posterior import sample_structured
+from numpyro_fed.partition import nested_sizes
 from numpyro_fed.util import constrain, unconstrain
 
 __all__ = ["SFVI", "SFVIAvg", "SFVIParams"]
@@ -141,8 +142,9 @@ class SFVI(Driver):
         self.reproducible = reproducible
 
     def _setup(self, data: Any) -> None:
-        self.guide.setup(data)
+        roles = self.guide.setup(data)
         self.guide.check_model(self.model, data)
+        self._nested[self._layout(data)] = nested_sizes(self.model, data, roles)
 
     def _make_algorithm(self, data: Any):
         return sfvi(
