@@ -207,11 +207,12 @@ class FederatedData:
         """
         Stack per-silo arrays, each in the model's layout (units along axis 0).
 
-        Silos may differ in size and arrays may be ragged along nested axes too: every
-        axis is padded to its maximum over silos, repeating edge values (False for
-        boolean arrays). Ragged nested axes need a boolean mask array that the model
-        applies (``numpyro.handlers.mask`` or ``obs_mask``). Units are numbered in
-        concatenation order.
+        Silos may differ in size and arrays may be ragged along nested axes too (one
+        county per silo, each with its own number of homes): every axis is padded to
+        its maximum over silos, repeating edge values (False for boolean arrays). The
+        federated algorithms mask the padded entries of every site inside a nested
+        plate (:func:`~numpyro_fed.partition.nested_sizes`), so the model needs no
+        mask of its own. Units are numbered in concatenation order.
 
         :param list silos: one dict name -> array per silo, all with the same names.
         :param int pad_to: pad every silo to at least this many units.
@@ -256,7 +257,7 @@ class FederatedData:
         if pad_to is not None and pad_to < units:
             raise ValueError(f"pad_to={pad_to} is below the largest silo ({units}).")
         units = max(units, int(pad_to or 0))
-        ragged, tails, dtypes = [], {}, {}
+        tails, dtypes = {}, {}
         for k in names:
             parts = [s[k] for s in silos]
             if len({(p.ndim, p.dtype == np.bool_) for p in parts}) > 1:
@@ -266,14 +267,6 @@ class FederatedData:
                 )
             tails[k] = tuple(np.max([p.shape[1:] for p in parts], axis=0).tolist())
             dtypes[k] = np.result_type(*parts)
-            if any(p.shape[1:] != tails[k] for p in parts):
-                ragged.append(k)
-        if ragged and not any(dtypes[k] == np.bool_ for k in names):
-            raise ValueError(
-                f"Array(s) {ragged} are ragged along a nested axis across silos, so "
-                "padded entries must be masked: pass a boolean mask array that the "
-                "model applies (numpyro.handlers.mask or obs_mask); it is padded False."
-            )
         stacked = {}
         for k in names:
             shape = (units, *tails[k])
@@ -319,6 +312,20 @@ class FederatedData:
             f"padded_size={self.padded_size}, names={self.names})"
         )
 
+    @property
+    def silo_shapes(self) -> tuple[dict[str, tuple[int, ...]], ...]:
+        """Each silo's own (unpadded) array shapes, by name."""
+        return tuple(dict(zip(self._names, s, strict=True)) for s in self._shapes)
+
+    @property
+    def ragged(self) -> tuple[str, ...]:
+        """Names of the arrays whose nested (non-unit) axes differ across silos."""
+        return tuple(
+            k
+            for i, k in enumerate(self._names)
+            if len({shapes[i][1:] for shapes in self._shapes}) > 1
+        )
+
     def silo(self, j: int) -> dict[str, jax.Array]:
         """
         Silo ``j``'s own arrays, unpadded (original shapes, nested extents included).
@@ -335,7 +342,21 @@ class FederatedData:
         }
 
     def pooled(self) -> dict[str, jax.Array]:
-        """All silos' real units in pooled order (for NUTS or centralized SVI)."""
+        """All silos' real units in pooled order (for NUTS or centralized SVI).
+
+        :raises ValueError: for arrays ragged along a nested axis with no boolean
+            array among them: the pooled layout pads them, and an unedited model would
+            count the padding (give the model a boolean mask array, or use
+            :meth:`silo` to reach each silo's own arrays).
+        """
+        ragged = self.ragged
+        if ragged and not any(self.arrays[k].dtype == jnp.bool_ for k in self._names):
+            raise ValueError(
+                f"Array(s) {list(ragged)} are ragged along a nested axis across silos, "
+                "so their pooled layout is padded there and a model run on it would "
+                "count the padding. Pass a boolean mask array (padded False) that the "
+                "pooled model applies, or use data.silo(j) for each silo's own arrays."
+            )
         return self.gather_units(dict(self.arrays))
 
     def gather_units(self, stacked: Any) -> Any:

@@ -254,7 +254,7 @@ def pvi(
     :param guide: an :class:`~numpyro_fed.AutoStructured` guide, already set up; its
         global factor (``global_cov="diag"`` or ``"full"``) is the PVI family.
     :param local_optim: the silos' optax optimizer.
-    :param dict template: data-free arrays shaped like one unit of silo data.
+    :param dict template: one unit of silo data (:func:`~numpyro_fed.densities.data_template`).
     :param int num_silos: :math:`J` (the server keeps one acknowledgement per silo).
     :param int local_steps: optimizer steps (or fixed-point iterations) per round.
     :param float damping: :math:`\\rho \\in (0, 1]` (1 = undamped).
@@ -298,9 +298,8 @@ def pvi(
     def silo_lik(values: dict, data: SiloData) -> jax.Array:
         """log p(y_m, z_m | u, theta) (or its robust-loss version) at site values."""
         mask = data.mask if padded else None
-        return silo_log_density(
-            model, plate, data.arrays, mask, values, observed_fn=observed_fn
-        )
+        options = dict(observed_fn=observed_fn, nested=data.nested)
+        return silo_log_density(model, plate, data.arrays, mask, values, **options)
 
     def silo_term(glob_u, eta_l_u, theta_u, key, data: SiloData):
         """One draw of log p(y_m, z_m | u) - log q(z_m | u) and the global draw."""

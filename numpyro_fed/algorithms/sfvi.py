@@ -115,8 +115,9 @@ def sfvi(
     :param guide: an :class:`~numpyro_fed.AutoStructured` guide, already set up.
     :param optimizer: an optax transformation; elementwise ones (Adam, SGD) make the
         split server/silo states identical to one centralized optimizer.
-    :param dict template: data-free arrays shaped like one unit of silo data, from
-        which the server term is evaluated.
+    :param dict template: one unit of silo data
+        (:func:`~numpyro_fed.densities.data_template`), on which the server term is
+        evaluated.
     :param int num_particles: Monte Carlo draws per round.
     :param bool stl: use the sticking-the-landing estimator (Roeder et al. 2017);
         ``False`` gives NumPyro's ``Trace_ELBO`` gradient.

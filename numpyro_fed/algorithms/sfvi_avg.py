@@ -111,7 +111,7 @@ def sfvi_avg(
     :param callable model: the federated model.
     :param guide: an :class:`~numpyro_fed.AutoStructured` guide, already set up.
     :param optimizer: optax transformation used by every silo's local steps.
-    :param dict template: data-free arrays shaped like one unit of silo data.
+    :param dict template: one unit of silo data (:func:`~numpyro_fed.densities.data_template`).
     :param int num_units: :math:`N`, units in the pooled data (each silo scales its
         terms by :math:`N/N_j`).
     :param int local_steps: :math:`m`, local steps per round.

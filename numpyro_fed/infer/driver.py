@@ -125,6 +125,8 @@ class Driver:
         self.max_staleness = max_staleness
         self.max_rejected = max_rejected
         self._built: dict = {}
+        # Per layout: real sizes of the ragged nested plates (set by ``_setup``).
+        self._nested: dict = {}
 
     # ------------------------------------------------------------- subclass hooks
     def _make_algorithm(self, data: Any) -> FederatedAlgorithm:
@@ -136,8 +138,9 @@ class Driver:
 
     def _silo_data(self, data: Any) -> Any:
         """The silos' data as the round function takes it (default: the stacked
-        :class:`~numpyro_fed.protocol.SiloData`)."""
-        return silo_data_of(data)
+        :class:`~numpyro_fed.protocol.SiloData`, with the real sizes of the
+        ragged nested plates that ``_setup`` found)."""
+        return silo_data_of(data, self._nested.get(self._layout(data)))
 
     def _round_keys(self, rng_key: jax.Array, num_silos: int):
         """``(next_rng_key, server_key, silo_keys)`` of one round."""
@@ -199,11 +202,14 @@ class Driver:
         chain, for :mod:`numpyro_fed.runtime.flower` (or any transport over
         :mod:`numpyro_fed.runtime.remote`).
 
-        ``data`` only gives the layout (silo count, padded units, array shapes); in a
-        deployment it can be zeros of that layout. Each silo then draws its own keys,
-        so a deployed SFVI is ``reproducible=False``.
+        ``data`` gives the layout (silo count, padded units, array shapes) and, in its
+        silo 0, the one unit on which the server runs the model to size the global
+        sites (:func:`~numpyro_fed.densities.data_template`): in a deployment, values
+        valid for the model (zeros fail where data sit in a scale parameter). Each
+        silo then draws its own keys, so a deployed SFVI is ``reproducible=False``.
 
-        :param FederatedData data: the silos' data, or zeros of their layout.
+        :param FederatedData data: the silos' data, or valid stand-ins of their
+            layout.
         :rtype: ~numpyro_fed.runtime.remote.Federation
         """
         algorithm, _ = self._build(data)

@@ -26,6 +26,7 @@ from numpyro_fed.families.structured import AutoMeanField, AutoStructured
 from numpyro_fed.infer.driver import Driver, FederatedState, RunResult
 from numpyro_fed.infer.posterior import sample_structured
 from numpyro_fed.infer.vi import check_optimizer, check_positive_int, local_params
+from numpyro_fed.partition import nested_sizes
 from numpyro_fed.util import constrain
 
 __all__ = ["FedGVI", "InvalidCavity", "PVI", "PVIParams"]
@@ -241,6 +242,8 @@ class PVI(Driver):
     # ------------------------------------------------------------ driver hooks
     def _setup(self, data: Any) -> None:
         roles = self.guide.setup(data)
+        self.guide.check_model(self.model, data)
+        self._nested[self._layout(data)] = nested_sizes(self.model, data, roles)
         if not roles.global_sites:
             raise ValueError(
                 "PVI approximates the posterior of global latent sites, and this model "
@@ -254,12 +257,20 @@ class PVI(Driver):
             )
         template = data_template(data.silo(0))
         theta0 = {k: jnp.asarray(v) for k, (v, _) in self.guide.param_specs.items()}
-        self._priors[self._layout(data)] = gaussian_prior(
-            self.model,
-            list(self.guide.global_specs),
-            template,
-            theta0,
-            self.guide.global_cov == "full",
+        # A global numpyro.factor is a prior term that no site's distribution shows:
+        # the prior is then not read off the sites but refined like a non-Gaussian one.
+        self._priors[self._layout(data)] = (
+            None
+            if roles.factor_sites
+            else (
+                gaussian_prior(
+                    self.model,
+                    list(self.guide.global_specs),
+                    template,
+                    theta0,
+                    self.guide.global_cov == "full",
+                )
+            )
         )
 
     def _options(self, data: Any) -> dict:

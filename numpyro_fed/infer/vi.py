@@ -19,9 +19,14 @@ from numpyro_fed.algorithms.sfvi_avg import (
 )
 from numpyro_fed.densities import data_template
 from numpyro_fed.elbo import noise_keys
-from numpyro_fed.families.structured import GLOBAL_PREFIX, LOCAL_PREFIX
+from numpyro_fed.families.structured import (
+    GLOBAL_PREFIX,
+    LOCAL_PREFIX,
+    AutoStructured,
+)
 from numpyro_fed.infer.driver import Driver, FederatedState
 from numpyro_fed.infer.posterior import sample_structured
+from numpyro_fed.partition import nested_sizes
 from numpyro_fed.util import constrain, unconstrain
 
 __all__ = ["SFVI", "SFVIAvg", "SFVIParams"]
@@ -72,6 +77,16 @@ def local_params(constraints: dict, silos: Any) -> dict:
     """The constrained local parameters of the silos' states; ``{}`` for a deployed
     run's server, which holds no silo state (``FederatedState(server, None, None)``)."""
     return {} if silos is None else constrain(constraints, silos.eta_local)
+
+
+def check_guide(guide: Any) -> None:
+    """Raise unless ``guide`` is a structured federated guide."""
+    if not isinstance(guide, AutoStructured):
+        raise TypeError(
+            "guide must be a federated guide that splits into global and per-silo "
+            f"parts; got {type(guide).__name__}. Use nf.AutoStructured(model) (or "
+            "nf.AutoMeanField(model), the federated AutoNormal)."
+        )
 
 
 def check_positive_int(name: str, value: Any) -> None:
@@ -135,6 +150,7 @@ class SFVI(Driver):
         **runtime_options: Any,
     ) -> None:
         check_optimizer("optim", optim)
+        check_guide(guide)
         check_positive_int("num_particles", num_particles)
         super().__init__(**runtime_options)
         self.model = model
@@ -145,7 +161,9 @@ class SFVI(Driver):
         self.reproducible = reproducible
 
     def _setup(self, data: Any) -> None:
-        self.guide.setup(data)
+        roles = self.guide.setup(data)
+        self.guide.check_model(self.model, data)
+        self._nested[self._layout(data)] = nested_sizes(self.model, data, roles)
 
     def _make_algorithm(self, data: Any):
         return sfvi(

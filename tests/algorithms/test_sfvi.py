@@ -10,7 +10,6 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 from numpyro.distributions import biject_to, constraints
-from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.util import log_density
 import optax
 import pytest
@@ -179,18 +178,6 @@ def test_gradient_equals_pooled(name, stl, num_silos=3):
         )
 
 
-def _numpyro_svi_losses(fed, guide, svi, data, num_steps, optim):
-    """Centralized NumPyro SVI started from SFVI's initial parameters and key."""
-    state = svi.init(jax.random.key(0), data)
-    init = svi.pooled_params(svi.get_params(state), data)
-    ref = SVI(fed, guide, optim, Trace_ELBO())
-    ref_state = ref.init(jax.random.key(1), init_params=init, **data.pooled())
-    result = ref.run(
-        None, num_steps, progress_bar=False, init_state=ref_state, **data.pooled()
-    )
-    return state._replace(rng_key=ref_state.rng_key), result
-
-
 @pytest.mark.parametrize(
     "name, num_silos",
     [
@@ -208,7 +195,7 @@ def test_matches_numpyro_svi_step_for_step(name, num_silos):
     units = next(iter(MODELS[name][2]().values())).shape[0]
     num_silos = units if num_silos == "units" else num_silos
     fed, guide, svi, data = _setup(name, num_silos, stl=False)
-    state, ref = _numpyro_svi_losses(fed, guide, svi, data, 25, optax.adam(0.05))
+    state, ref = m.numpyro_svi_reference(fed, guide, svi, data, 25, optax.adam(0.05))
     result = svi.run(None, 25, data, init_state=state, progress_bar=False)
     np.testing.assert_allclose(result.losses, ref.losses, rtol=1e-9)
     ours = svi.pooled_params(result.params, data)
@@ -475,6 +462,6 @@ def test_silo_wide_guide_is_a_numpyro_guide():
         dict(global_cov="full", coupling=True, local_cov="silo"),
         stl=False,
     )
-    state, ref = _numpyro_svi_losses(fed, guide, svi, data, 10, optax.adam(0.05))
+    state, ref = m.numpyro_svi_reference(fed, guide, svi, data, 10, optax.adam(0.05))
     result = svi.run(None, 10, data, init_state=state, progress_bar=False)
     np.testing.assert_allclose(result.losses, ref.losses, rtol=1e-9)
