@@ -82,7 +82,7 @@ class Audit(NamedTuple):
             (
                 leaf.direction,
                 leaf.part,
-                leaf.path,
+                leaf.path or "(the whole part)",
                 str(leaf.shape),
                 leaf.dtype,
                 str(leaf.nbytes),

@@ -12,7 +12,10 @@ import optax
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed.protocol import FederatedAlgorithm, Message
+from numpyro_fed.densities import data_template
+from numpyro_fed.elbo import draw_global, noise_keys
+from numpyro_fed.protocol import FederatedAlgorithm, Message, silo_data_of
+from numpyro_fed.util import constrain, take
 from tests import _models as m
 
 
@@ -129,3 +132,31 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="needs the silos' FederatedData, got dict"):
         nf.audit(algorithm, {"y": np.arange(2.0)})
     assert jax.tree.leaves(nf.audit(algorithm, data).leaves)  # the good call runs
+
+
+def test_a_one_unit_silo_gives_its_row_away_in_sfvi(enable_x64):
+    """Why the audit lists small silos: without local latents, SFVI's reply is the
+    gradient of the silo's log-likelihood at a z_G the server drew itself, so a
+    one-unit silo with a Gaussian likelihood sends its row (y = z_G + gradient),
+    whatever the silo's own noise."""
+    y = np.array([0.3, 1.2, 2.5, -0.7, 0.8338])
+    data = nf.FederatedData.from_groups([0, 0, 1, 1, 2], y=y)
+    guide = nf.AutoStructured(mean_model)
+    guide.setup(data)
+    algorithm = nf.sfvi(
+        mean_model, guide, optax.adam(0.05), data_template(data.silo(0))
+    )
+    keys = noise_keys(jax.random.key(0), 1)  # one per particle
+    report = nf.audit(algorithm, data, server_key=keys, silo_key=keys)
+    assert report.small_silos == (2,) and report.flagged == ()
+    server = algorithm.init_server(jax.random.key(1))
+    message = algorithm.server_message(server, noise_keys(jax.random.key(2), 1))
+    silo = take(silo_data_of(data), 2)
+    state = algorithm.init_silo(jax.random.key(3), silo)
+    reply, _ = algorithm.silo_step(
+        message.at(2), state, silo, noise_keys(jax.random.key(4), 1)
+    )
+    eta = constrain(guide.param_constraints()[0], message.broadcast.eta_global)
+    z_global = draw_global(guide, eta, message.broadcast.eps_global[0]).z
+    y_hat = z_global + reply.grad_eta_global["loc"]  # d/d loc = d/d z_G
+    np.testing.assert_allclose(y_hat, [0.8338], rtol=1e-12)
