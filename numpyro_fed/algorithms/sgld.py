@@ -250,8 +250,9 @@ def conducive_factors(
 
 
 def _keys(key: jax.Array, t: jax.Array) -> jax.Array:
-    # (silo choice, minibatch, noise) of step t; the server uses the first of its
-    # chain key's, a silo the other two of its own key's.
+    # The (silo choice, minibatch, noise) keys of step t: the server takes the first
+    # from the chain's key, a silo the other two from its own key (from the chain's
+    # with reproducible=True).
     return jax.random.split(jax.random.fold_in(key, t), 3)
 
 
