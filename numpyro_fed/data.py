@@ -84,6 +84,20 @@ def _check_silo(silo: Mapping[str, Any], where: str) -> dict[str, np.ndarray]:
     return arrays
 
 
+def _check_min_silo_size(sizes: list, minimum: int | None, where: list) -> None:
+    if minimum is None:
+        return
+    if isinstance(minimum, bool) or not isinstance(minimum, (int, np.integer)):
+        raise ValueError(f"min_silo_size must be None or an int, got {minimum!r}.")
+    small = [f"{w} holds {n}" for w, n in zip(where, sizes, strict=True) if n < minimum]
+    if small:
+        raise ValueError(
+            f"{'; '.join(small[:5])}{' ...' if len(small) > 5 else ''} unit(s), below "
+            f"min_silo_size={minimum}: its messages would be functions of that few "
+            "units' data. Merge small silos or leave them out."
+        )
+
+
 def _pad(x: np.ndarray, shape: tuple[int, ...], name: str, silo: int) -> np.ndarray:
     """Pad ``x`` to ``shape``: False for booleans, else the edge along nested axes
     and the silo's first unit along the unit axis."""
@@ -150,7 +164,13 @@ class FederatedData:
 
     @classmethod
     def from_groups(
-        cls, group_ids: Sequence[Any], /, *, pad_to: int | None = None, **arrays: Any
+        cls,
+        group_ids: Sequence[Any],
+        /,
+        *,
+        pad_to: int | None = None,
+        min_silo_size: int | None = None,
+        **arrays: Any,
     ) -> "FederatedData":
         """
         Split arrays along their leading axis (the silo plate's axis) by group label:
@@ -160,6 +180,9 @@ class FederatedData:
 
         :param group_ids: one silo label (int >= 0 or str) per index of the plate.
         :param int pad_to: pad every silo to at least this many units.
+        :param int min_silo_size: refuse a silo with fewer units (default: no
+            minimum); a silo's messages are functions of its units' data, of one
+            unit's alone for a one-unit silo (``docs/privacy.md``).
         :param arrays: the model's data arrays (numpy or JAX), by argument name.
         :rtype: FederatedData
 
@@ -194,15 +217,22 @@ class FederatedData:
         arrays = {name: np.asarray(value) for name, value in arrays.items()}
         labels = np.unique(groups)
         rows = [np.flatnonzero(groups == label) for label in labels]
+        where = [f"silo {j} (label {g!r})" for j, g in enumerate(labels.tolist())]
+        _check_min_silo_size([len(r) for r in rows], min_silo_size, where)
         silos = [
-            _check_silo({k: v[r] for k, v in arrays.items()}, f"silo {j} (label {g!r})")
-            for j, (g, r) in enumerate(zip(labels.tolist(), rows, strict=True))
+            _check_silo({k: v[r] for k, v in arrays.items()}, w)
+            for w, r in zip(where, rows, strict=True)
         ]
         return cls._stack(silos, rows, pad_to)
 
     @classmethod
     def from_silos(
-        cls, silos: Sequence[Mapping[str, Any]], /, *, pad_to: int | None = None
+        cls,
+        silos: Sequence[Mapping[str, Any]],
+        /,
+        *,
+        pad_to: int | None = None,
+        min_silo_size: int | None = None,
     ) -> "FederatedData":
         """
         Stack per-silo arrays, each in the model's layout (units along axis 0).
@@ -216,6 +246,8 @@ class FederatedData:
 
         :param list silos: one dict name -> array per silo, all with the same names.
         :param int pad_to: pad every silo to at least this many units.
+        :param int min_silo_size: refuse a silo with fewer units (default: no
+            minimum), as in :meth:`from_groups`.
         :rtype: FederatedData
 
         **Example:**
@@ -245,7 +277,11 @@ class FederatedData:
                     f"extra {extra}."
                 )
             checked.append(_check_silo({k: silo[k] for k in names}, f"silo {j}"))
-        ends = np.cumsum([0] + [len(s[names[0]]) for s in checked])
+        lengths = [len(s[names[0]]) for s in checked]
+        _check_min_silo_size(
+            lengths, min_silo_size, [f"silo {j}" for j in range(len(lengths))]
+        )
+        ends = np.cumsum([0] + lengths)
         rows = [np.arange(a, b) for a, b in zip(ends[:-1], ends[1:], strict=True)]
         return cls._stack(checked, rows, pad_to)
 

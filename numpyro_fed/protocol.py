@@ -17,8 +17,9 @@ does not change from round to round (no ``None`` toggles, no Python scalars), so
 codec can ship it and one compiled round serves every round.
 
 The key handed to ``silo_step`` belongs to the silo: a runtime draws it on the silo
-(or, in simulation, splits it from the run's key); nothing in a server message lets
-the server replay a silo's computation.
+(or, in simulation, splits it from the run's key apart from the server's); nothing in
+a server message lets the server replay a silo's computation (except in the
+``reproducible=True`` test modes of FSGLD, DSGLD and SFVI, which say so).
 """
 
 from typing import Any, NamedTuple, Protocol

@@ -101,8 +101,8 @@ class SFVI(Driver):
 
     One round costs one silo step per silo (all vmapped and jitted together) and one
     server step. With an elementwise optimizer the run equals centralized NumPyro
-    ``SVI`` with the same guide; with ``reproducible=True`` (the default in
-    simulation) it does so draw for draw, whatever the partition of units into silos.
+    ``SVI`` with the same guide in law; with ``reproducible=True`` it does so draw for
+    draw, whatever the partition of units into silos.
 
     :param callable model: a federated model (:func:`~numpyro_fed.federate` or
         :class:`~numpyro_fed.silo_plate`); bind non-split arguments with
@@ -112,9 +112,13 @@ class SFVI(Driver):
     :param int num_particles: Monte Carlo draws per round.
     :param bool stl: sticking-the-landing gradients (``False``: NumPyro's
         ``Trace_ELBO`` gradients).
-    :param bool reproducible: silos derive their local noise from the round key and
-        their units' pooled indices, so any partition gives the same draws as
-        centralized SVI. ``False``: each silo draws from a key of its own.
+    :param bool reproducible: silos derive their local noise from the server's round
+        key (the one :math:`\\epsilon_G` comes from) and their units' pooled indices,
+        so any partition gives the same draws as centralized SVI; the server can then
+        replay every silo's noise. Default ``False``: each silo draws from a key of
+        its own, split from the run's key apart from the server's (a deployed silo
+        draws from its own root key whatever this setting; see
+        ``docs/privacy.md``).
     :param runtime_options: ``runtime``, ``participation``, ``order``,
         ``max_staleness`` and ``max_rejected``, as for every algorithm (:class:`~numpyro_fed.infer.driver.Driver`);
         with partial participation the server rescales what it gets.
@@ -146,7 +150,7 @@ class SFVI(Driver):
         *,
         num_particles: int = 1,
         stl: bool = True,
-        reproducible: bool = True,
+        reproducible: bool = False,
         **runtime_options: Any,
     ) -> None:
         check_optimizer("optim", optim)
@@ -183,15 +187,14 @@ class SFVI(Driver):
         return rng_key, noise_keys(step_key, self.num_particles)
 
     def _round_keys(self, rng_key: jax.Array, num_silos: int):
-        rng_key, keys = self._noise_keys(rng_key)
         if self.reproducible:
-            silo_keys = jnp.broadcast_to(keys, (num_silos,) + keys.shape)
-        else:
-            flat = keys.reshape(-1)
-            silo_keys = jax.vmap(
-                lambda j: jax.vmap(jax.random.fold_in, (0, None))(flat, j)
-            )(jnp.arange(num_silos)).reshape((num_silos,) + keys.shape)
-        return rng_key, keys, silo_keys
+            rng_key, keys = self._noise_keys(rng_key)
+            return rng_key, keys, jnp.broadcast_to(keys, (num_silos,) + keys.shape)
+        # The silos' keys come from a branch the server's keys never touch: nothing
+        # the server holds (its keys, the messages) replays a silo's noise.
+        rng_key, own = jax.random.split(rng_key)
+        rng_key, keys = self._noise_keys(rng_key)
+        return rng_key, keys, jax.random.split(own, (num_silos,) + keys.shape)
 
     def _unconstrained(self, params: SFVIParams) -> tuple[dict, dict, dict]:
         """``(theta, eta_global, eta_local)`` of ``params`` in unconstrained space
@@ -270,6 +273,8 @@ class SFVIAvg(SFVI):
 
     With one silo and the optimizer state carried over, ``R`` rounds of ``m`` steps
     are ``R m`` steps of centralized VI (draw for draw with ``reproducible=True``).
+    Each reply is the silo's copy of :math:`(\\theta, \\eta_G)` and its unit count
+    :math:`N_j` (``docs/privacy.md``).
 
     :param int local_steps: :math:`m`, local steps per round.
     :param bool scale_local_entropy: scale the local entropy by :math:`N/N_j` too

@@ -16,7 +16,7 @@ This is the only module that imports ``flwr``: install it with
 **Example** (an app module that ``flwr run`` or :func:`flwr.simulation.run_simulation`
 loads on the server and on every node)::
 
-    fit = nf.SFVI(model, guide, optax.adam(1e-2), reproducible=False)
+    fit = nf.SFVI(model, guide, optax.adam(1e-2))
     layout = ...  # a FederatedData with the silos' common layout (no real data)
 
     def federation(context):

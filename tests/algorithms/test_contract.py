@@ -2,8 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The same checks for every algorithm factory (STYLE.md rule 14): jitted equals
 eager, a vmap over silos equals a loop, round 2 compiles nothing, float64 survives,
-no message leaf is shaped like a silo's units, a non-finite reply is rejected while
-the run goes on, and the generic runtimes run it with no algorithm named.
+no message leaf is shaped like a silo's units (nor flagged by ``nf.audit``), a
+non-finite reply is rejected while the run goes on, and the generic runtimes run it
+with no algorithm named.
 
 Each case builds an algorithm from a factory and the states and keys of one round;
 adding an algorithm means adding one case."""
@@ -228,6 +229,24 @@ def test_no_message_leaf_has_a_unit_axis(prepared):
         assert not units.intersection(leaf.shape), leaf.shape
     sizes = round_bytes(algorithm, server, silos, silo_data, server_key, silo_keys)
     assert sizes.down > 0 and sizes.reply > 0
+
+
+def test_audit_flags_no_leaf(prepared):
+    """``nf.audit`` on every algorithm: each direction carries something, no leaf
+    grows with a silo's units, and its bytes are the accounting's."""
+    case = prepared.case
+    report = nf.audit(
+        case.algorithm,
+        case.data,
+        server_key=case.server_key,
+        silo_key=case.silo_keys[0],
+    )
+    assert report.flagged == (), str(report)
+    assert report.small_silos == ()  # every silo holds 4 or 5 units
+    server, silos, silo_data, server_key, silo_keys = prepared.args
+    sizes = round_bytes(case.algorithm, server, silos, silo_data, server_key, silo_keys)
+    assert report.bytes("server -> silo") == sizes.down > 0
+    assert report.bytes("silo -> server") == sizes.reply > 0
 
 
 def test_non_finite_reply_is_rejected_and_the_run_goes_on(prepared):

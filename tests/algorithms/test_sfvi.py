@@ -194,7 +194,7 @@ def test_matches_numpyro_svi_step_for_step(name, num_silos):
     one silo per unit."""
     units = next(iter(MODELS[name][2]().values())).shape[0]
     num_silos = units if num_silos == "units" else num_silos
-    fed, guide, svi, data = _setup(name, num_silos, stl=False)
+    fed, guide, svi, data = _setup(name, num_silos, stl=False, reproducible=True)
     state, ref = m.numpyro_svi_reference(fed, guide, svi, data, 25, optax.adam(0.05))
     result = svi.run(None, 25, data, init_state=state, progress_bar=False)
     np.testing.assert_allclose(result.losses, ref.losses, rtol=1e-9)
@@ -212,12 +212,16 @@ def test_matches_numpyro_svi_step_for_step(name, num_silos):
 def test_partition_invariance(guide_kwargs):
     """T3: with per-unit local factors and per-unit noise, J = 1, 3 and one silo per
     unit give the same STL trajectory up to summation order."""
-    _, _, base_svi, base_data = _setup("hierarchical", 1, guide_kwargs)
+    _, _, base_svi, base_data = _setup(
+        "hierarchical", 1, guide_kwargs, reproducible=True
+    )
     base_state = base_svi.init(jax.random.key(0), base_data)
     start = base_svi.get_params(base_state)
     base = base_svi.run(None, 30, base_data, init_state=base_state, progress_bar=False)
     for num_silos in (3, 7):
-        _, _, svi, data = _setup("hierarchical", num_silos, guide_kwargs)
+        _, _, svi, data = _setup(
+            "hierarchical", num_silos, guide_kwargs, reproducible=True
+        )
         init = _repartition(start, base_data, data)
         state = svi.init(jax.random.key(0), data, init_params=init)
         result = svi.run(None, 30, data, init_state=state, progress_bar=False)
@@ -432,9 +436,9 @@ def test_silo_wide_local_covariance_breaks_partition_invariance():
     starts at the identity), so round 0 agrees; after one step J = 1 has learned
     cross-unit correlations that J = 3 cannot represent."""
     guide_kwargs = dict(global_cov="full", coupling=True, local_cov="silo")
-    _, _, svi_1, data_1 = _setup("hierarchical", 1, guide_kwargs)
+    _, _, svi_1, data_1 = _setup("hierarchical", 1, guide_kwargs, reproducible=True)
     state_1 = svi_1.init(jax.random.key(0), data_1)
-    _, _, svi_3, data_3 = _setup("hierarchical", 3, guide_kwargs)
+    _, _, svi_3, data_3 = _setup("hierarchical", 3, guide_kwargs, reproducible=True)
     start = _repartition_silo(svi_1.get_params(state_1), data_1, data_3)
     state_3 = svi_3.init(jax.random.key(0), data_3, init_params=start)
     state_3 = state_3._replace(rng_key=state_1.rng_key)
@@ -461,6 +465,7 @@ def test_silo_wide_guide_is_a_numpyro_guide():
         1,
         dict(global_cov="full", coupling=True, local_cov="silo"),
         stl=False,
+        reproducible=True,
     )
     state, ref = m.numpyro_svi_reference(fed, guide, svi, data, 10, optax.adam(0.05))
     result = svi.run(None, 10, data, init_state=state, progress_bar=False)
