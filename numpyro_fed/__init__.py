@@ -24,6 +24,7 @@ from numpyro_fed.algorithms.sfvi import sfvi
 from numpyro_fed.algorithms.sfvi_avg import sfvi_avg
 from numpyro_fed.algorithms.sgld import dsgld, fsgld
 from numpyro_fed.algorithms.vertical_sfvi import vertical_sfvi
+from numpyro_fed.audit import audit
 from numpyro_fed.data import FederatedData
 from numpyro_fed.diagnostics import compare, format_compare, to_arviz
 from numpyro_fed.families import AutoAmortized, AutoMeanField, AutoStructured
@@ -33,7 +34,9 @@ from numpyro_fed.infer.mcmc import DSGLD, FSGLD
 from numpyro_fed.infer.pvi import PVI, FedGVI, InvalidCavity
 from numpyro_fed.infer.vertical import VerticalSFVI
 from numpyro_fed.infer.vi import SFVI, SFVIAvg
-from numpyro_fed.protocol import FederatedAlgorithm, SiloData
+
+# nf.SiloData still works; it is listed in numpyro_fed.protocol's __all__.
+from numpyro_fed.protocol import FederatedAlgorithm, SiloData  # noqa: F401
 from numpyro_fed.surrogates import fit_surrogates
 from numpyro_fed.vertical import (
     VerticalData,
@@ -63,7 +66,6 @@ __all__ = [
     "VerticalFamily",
     # the contract and the algorithms as pure factories
     "FederatedAlgorithm",
-    "SiloData",
     "sfvi",
     "sfvi_avg",
     "pvi",
@@ -82,7 +84,8 @@ __all__ = [
     "FederatedState",
     "RunResult",
     "fit_surrogates",
-    # checking results
+    # checking results, and what crosses the wire
+    "audit",
     "to_arviz",
     "compare",
     "format_compare",

@@ -5,13 +5,14 @@ surrogates and the data classes. They run at the boundary, outside ``jit``, and
 name the argument, array, silo or state field at fault."""
 
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
 __all__ = [
     "check_count",
+    "check_federated_state",
     "check_finite_array",
     "check_participating",
     "check_state_layout",
@@ -167,3 +168,33 @@ def check_state_layout(
                 f"layout needs {need}: the state was made for data of another "
                 f"layout (number of silos or rows, padded units, array shapes); {fix}."
             )
+
+
+def check_federated_state(
+    owner: str, state: Any, num_silos: int, expected_of: Callable, fix: str
+) -> None:
+    """
+    Raise unless ``state`` is a driver's state (``server``, ``silos``, ``rng_key``)
+    of ``num_silos`` silos with the layout of ``expected_of(state.rng_key)``.
+
+    :param str owner: who checks (a class name), for the error.
+    :param state: the state passed in.
+    :param int num_silos: the number of silos of the data.
+    :param callable expected_of: ``rng_key -> expected state`` (leaves with
+        ``shape`` and ``dtype``), called only for a state of ``num_silos`` silos.
+    :param str fix: what to do instead, appended to the error.
+    :raises TypeError: for an object that is not a driver's state.
+    :raises ValueError: naming the silo counts, or the first field that differs.
+    """
+    if not all(hasattr(state, f) for f in ("server", "silos", "rng_key")):
+        raise TypeError(
+            f"{owner} needs the FederatedState of init or of a run (result.state); "
+            f"got {type(state).__name__}."
+        )
+    held = {np.shape(x)[0] for x in jax.tree.leaves(state.silos) if np.ndim(x)}
+    if held and held != {num_silos}:
+        raise ValueError(
+            f"{owner}: the state holds {min(held)} silos but the data hold "
+            f"{num_silos}; {fix}."
+        )
+    check_state_layout(owner, state, expected_of(state.rng_key), fix)

@@ -84,6 +84,20 @@ def _check_silo(silo: Mapping[str, Any], where: str) -> dict[str, np.ndarray]:
     return arrays
 
 
+def _check_min_silo_size(sizes: list, minimum: int | None, where: list) -> None:
+    if minimum is None:
+        return
+    if isinstance(minimum, bool) or not isinstance(minimum, (int, np.integer)):
+        raise ValueError(f"min_silo_size must be None or an int, got {minimum!r}.")
+    small = [f"{w} holds {n}" for w, n in zip(where, sizes, strict=True) if n < minimum]
+    if small:
+        raise ValueError(
+            f"{'; '.join(small[:5])}{' ...' if len(small) > 5 else ''} unit(s), below "
+            f"min_silo_size={minimum}: its messages would be functions of that few "
+            "units' data. Merge small silos or leave them out."
+        )
+
+
 def _pad(x: np.ndarray, shape: tuple[int, ...], name: str, silo: int) -> np.ndarray:
     """Pad ``x`` to ``shape``: False for booleans, else the edge along nested axes
     and the silo's first unit along the unit axis."""
@@ -150,7 +164,13 @@ class FederatedData:
 
     @classmethod
     def from_groups(
-        cls, group_ids: Sequence[Any], /, *, pad_to: int | None = None, **arrays: Any
+        cls,
+        group_ids: Sequence[Any],
+        /,
+        *,
+        pad_to: int | None = None,
+        min_silo_size: int | None = None,
+        **arrays: Any,
     ) -> "FederatedData":
         """
         Split arrays along their leading axis (the silo plate's axis) by group label:
@@ -160,6 +180,9 @@ class FederatedData:
 
         :param group_ids: one silo label (int >= 0 or str) per index of the plate.
         :param int pad_to: pad every silo to at least this many units.
+        :param int min_silo_size: refuse a silo with fewer units (default: no
+            minimum); a silo's messages are functions of its units' data, of one
+            unit's alone for a one-unit silo (``docs/privacy.md``).
         :param arrays: the model's data arrays (numpy or JAX), by argument name.
         :rtype: FederatedData
 
@@ -194,27 +217,37 @@ class FederatedData:
         arrays = {name: np.asarray(value) for name, value in arrays.items()}
         labels = np.unique(groups)
         rows = [np.flatnonzero(groups == label) for label in labels]
+        where = [f"silo {j} (label {g!r})" for j, g in enumerate(labels.tolist())]
+        _check_min_silo_size([len(r) for r in rows], min_silo_size, where)
         silos = [
-            _check_silo({k: v[r] for k, v in arrays.items()}, f"silo {j} (label {g!r})")
-            for j, (g, r) in enumerate(zip(labels.tolist(), rows, strict=True))
+            _check_silo({k: v[r] for k, v in arrays.items()}, w)
+            for w, r in zip(where, rows, strict=True)
         ]
         return cls._stack(silos, rows, pad_to)
 
     @classmethod
     def from_silos(
-        cls, silos: Sequence[Mapping[str, Any]], /, *, pad_to: int | None = None
+        cls,
+        silos: Sequence[Mapping[str, Any]],
+        /,
+        *,
+        pad_to: int | None = None,
+        min_silo_size: int | None = None,
     ) -> "FederatedData":
         """
         Stack per-silo arrays, each in the model's layout (units along axis 0).
 
-        Silos may differ in size and arrays may be ragged along nested axes too: every
-        axis is padded to its maximum over silos, repeating edge values (False for
-        boolean arrays). Ragged nested axes need a boolean mask array that the model
-        applies (``numpyro.handlers.mask`` or ``obs_mask``). Units are numbered in
-        concatenation order.
+        Silos may differ in size and arrays may be ragged along nested axes too (one
+        county per silo, each with its own number of homes): every axis is padded to
+        its maximum over silos, repeating edge values (False for boolean arrays). The
+        federated algorithms mask the padded entries of every site inside a nested
+        plate (:func:`~numpyro_fed.partition.nested_sizes`), so the model needs no
+        mask of its own. Units are numbered in concatenation order.
 
         :param list silos: one dict name -> array per silo, all with the same names.
         :param int pad_to: pad every silo to at least this many units.
+        :param int min_silo_size: refuse a silo with fewer units (default: no
+            minimum), as in :meth:`from_groups`.
         :rtype: FederatedData
 
         **Example:**
@@ -244,7 +277,11 @@ class FederatedData:
                     f"extra {extra}."
                 )
             checked.append(_check_silo({k: silo[k] for k in names}, f"silo {j}"))
-        ends = np.cumsum([0] + [len(s[names[0]]) for s in checked])
+        lengths = [len(s[names[0]]) for s in checked]
+        _check_min_silo_size(
+            lengths, min_silo_size, [f"silo {j}" for j in range(len(lengths))]
+        )
+        ends = np.cumsum([0] + lengths)
         rows = [np.arange(a, b) for a, b in zip(ends[:-1], ends[1:], strict=True)]
         return cls._stack(checked, rows, pad_to)
 
@@ -256,7 +293,7 @@ class FederatedData:
         if pad_to is not None and pad_to < units:
             raise ValueError(f"pad_to={pad_to} is below the largest silo ({units}).")
         units = max(units, int(pad_to or 0))
-        ragged, tails, dtypes = [], {}, {}
+        tails, dtypes = {}, {}
         for k in names:
             parts = [s[k] for s in silos]
             if len({(p.ndim, p.dtype == np.bool_) for p in parts}) > 1:
@@ -266,14 +303,6 @@ class FederatedData:
                 )
             tails[k] = tuple(np.max([p.shape[1:] for p in parts], axis=0).tolist())
             dtypes[k] = np.result_type(*parts)
-            if any(p.shape[1:] != tails[k] for p in parts):
-                ragged.append(k)
-        if ragged and not any(dtypes[k] == np.bool_ for k in names):
-            raise ValueError(
-                f"Array(s) {ragged} are ragged along a nested axis across silos, so "
-                "padded entries must be masked: pass a boolean mask array that the "
-                "model applies (numpyro.handlers.mask or obs_mask); it is padded False."
-            )
         stacked = {}
         for k in names:
             shape = (units, *tails[k])
@@ -319,6 +348,20 @@ class FederatedData:
             f"padded_size={self.padded_size}, names={self.names})"
         )
 
+    @property
+    def silo_shapes(self) -> tuple[dict[str, tuple[int, ...]], ...]:
+        """Each silo's own (unpadded) array shapes, by name."""
+        return tuple(dict(zip(self._names, s, strict=True)) for s in self._shapes)
+
+    @property
+    def ragged(self) -> tuple[str, ...]:
+        """Names of the arrays whose nested (non-unit) axes differ across silos."""
+        return tuple(
+            k
+            for i, k in enumerate(self._names)
+            if len({shapes[i][1:] for shapes in self._shapes}) > 1
+        )
+
     def silo(self, j: int) -> dict[str, jax.Array]:
         """
         Silo ``j``'s own arrays, unpadded (original shapes, nested extents included).
@@ -335,7 +378,21 @@ class FederatedData:
         }
 
     def pooled(self) -> dict[str, jax.Array]:
-        """All silos' real units in pooled order (for NUTS or centralized SVI)."""
+        """All silos' real units in pooled order (for NUTS or centralized SVI).
+
+        :raises ValueError: for arrays ragged along a nested axis with no boolean
+            array among them: the pooled layout pads them, and an unedited model would
+            count the padding (give the model a boolean mask array, or use
+            :meth:`silo` to reach each silo's own arrays).
+        """
+        ragged = self.ragged
+        if ragged and not any(self.arrays[k].dtype == jnp.bool_ for k in self._names):
+            raise ValueError(
+                f"Array(s) {list(ragged)} are ragged along a nested axis across silos, "
+                "so their pooled layout is padded there and a model run on it would "
+                "count the padding. Pass a boolean mask array (padded False) that the "
+                "pooled model applies, or use data.silo(j) for each silo's own arrays."
+            )
         return self.gather_units(dict(self.arrays))
 
     def gather_units(self, stacked: Any) -> Any:

@@ -25,27 +25,42 @@ __all__ = ["data_template", "server_log_density", "silo_log_density", "silo_mask
 
 class silo_mask(Messenger):
     """
-    Mask the sites of the silo plate at padded units, so that a padded silo
-    contributes exactly what its real units contribute.
+    Mask the sites of the silo plate at padded units and at padded entries of ragged
+    nested plates, so that a padded silo contributes exactly what its real entries
+    contribute.
 
     :param callable fn: the model.
     :param str plate: name of the silo plate.
-    :param jax.Array mask: boolean array of shape ``(P,)``, True for real units.
+    :param jax.Array mask: boolean array of shape ``(P,)``, True for real units, or
+        ``None`` (no padded units).
+    :param dict nested: plate name -> the silo's real size of that nested plate.
     """
 
-    def __init__(self, fn: Callable | None, plate: str, mask: jax.Array) -> None:
+    def __init__(
+        self,
+        fn: Callable | None,
+        plate: str,
+        mask: jax.Array | None,
+        nested: dict | None = None,
+    ) -> None:
         self.plate = plate
         self.mask = mask
+        self.nested = nested or {}
         super().__init__(fn)
 
     def process_message(self, msg: dict) -> None:
-        if msg["type"] != "sample":
+        if msg["type"] != "sample" or not _in_plate(msg, self.plate):
             return
+        mask = True
         for frame in msg["cond_indep_stack"]:
-            if frame.name == self.plate:
-                mask = self.mask.reshape(self.mask.shape + (1,) * (-frame.dim - 1))
-                msg["fn"] = msg["fn"].mask(mask)
-                return
+            trailing = (1,) * (-frame.dim - 1)
+            if frame.name == self.plate and self.mask is not None:
+                mask = mask & self.mask.reshape(self.mask.shape + trailing)
+            elif frame.name in self.nested:
+                real = jnp.arange(frame.size) < self.nested[frame.name]
+                mask = mask & real.reshape(real.shape + trailing)
+        if mask is not True:
+            msg["fn"] = msg["fn"].mask(mask)
 
 
 def _in_plate(site: dict, plate: str) -> bool:
@@ -76,6 +91,7 @@ def silo_log_density(
     args: tuple = (),
     kwargs: dict | None = None,
     observed_fn: Callable | None = None,
+    nested: dict | None = None,
 ) -> jax.Array:
     """
     One silo's term :math:`\\log p_\\theta(y_j, z_{L_j} \\mid z_G)`.
@@ -90,11 +106,14 @@ def silo_log_density(
     :param callable observed_fn: optional ``(site, log_prob) -> value`` applied to the
         elementwise log-likelihood of each observed site before summing (a robust
         loss in place of the log-likelihood, for generalized VI).
+    :param dict nested: plate name -> the silo's real size of each ragged nested
+        plate (:attr:`~numpyro_fed.protocol.SiloData.nested`); entries beyond it are
+        masked out.
     :return: a scalar.
     """
     masked = handlers.substitute(model, data=values)
-    if mask is not None:
-        masked = silo_mask(masked, plate, mask)
+    if mask is not None or nested:
+        masked = silo_mask(masked, plate, mask, nested)
     trace = handlers.trace(masked).get_trace(*args, **(kwargs or {}), **arrays)
     return _sum_log_probs(trace, lambda site: _in_plate(site, plate), observed_fn)
 
@@ -110,12 +129,12 @@ def server_log_density(
     """
     The server term :math:`\\log p_\\theta(z_G)`: the sites outside the silo plate.
 
-    The model runs on ``template``, arrays shaped like one unit of silo data and filled
-    with zeros: the server never needs data, only the shapes that size global sites.
+    The model runs on ``template`` (:func:`data_template`): only the sites outside
+    the silo plate are summed, so the value is the same whichever unit it holds.
 
     :param callable model: the federated model.
     :param str plate: the silo plate's name.
-    :param dict template: data-free arrays with the model's layout.
+    :param dict template: one unit of silo data in the model's layout.
     :param dict values: constrained values of the global sites and param sites.
     :return: a scalar.
     """
@@ -126,8 +145,11 @@ def server_log_density(
 
 
 def data_template(arrays: dict[str, Any]) -> dict[str, jax.Array]:
-    """Zero arrays shaped like one unit of ``arrays`` (leading axis of size 1)."""
-    return {
-        name: jnp.zeros((1,) + jnp.shape(value)[1:], jnp.asarray(value).dtype)
-        for name, value in arrays.items()
-    }
+    """The first unit of one silo's own ``arrays`` (leading axis of length 1).
+
+    The server term runs the model on it only for the shapes that size the global
+    sites: the sites inside the silo plate are left out of the sum. Real values, not
+    an all-zero stand-in, keep NumPyro's argument checks valid when data sit in a
+    scale, rate or count parameter (eight schools' known standard errors).
+    """
+    return {name: jnp.asarray(value)[:1] for name, value in arrays.items()}

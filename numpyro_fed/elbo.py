@@ -97,11 +97,17 @@ def silo_terms(
     values = dict(draw.values)
     log_q = jnp.zeros(())
     if eta_local:
+        # Padded entries of ragged nested plates: left out of log q and unable to
+        # condition the real ones, as the model's mask leaves them out of log p.
+        mask = guide.local_mask(data.nested, data.unit_ids.shape[0])
+        eta_local = guide.restrict_local(eta_local, mask)
         noise = guide.local_noise(key, data.unit_ids)
         z_local = guide.sample_local(eta_global, eta_local, draw.z, noise)
-        local_values, log_det = guide.constrain_local(z_local)
+        local_values, log_det = guide.constrain_local(z_local, mask)
         values.update(local_values)
-        units = guide.log_q_local(stop(eta_global), stop(eta_local), draw.z, z_local)
+        units = guide.log_q_local(
+            stop(eta_global), stop(eta_local), draw.z, z_local, mask
+        )
         units = units - log_det
         if padded:
             units = jnp.where(data.mask, units, 0.0)
@@ -115,6 +121,7 @@ def silo_terms(
         mask,
         {**values, **theta},
         observed_fn=observed_fn,
+        nested=data.nested,
     )
     return SiloTerms(log_p, log_q)
 
@@ -130,7 +137,7 @@ def server_terms(
     stop: Callable = lambda x: x,
 ) -> tuple[jax.Array, jax.Array]:
     """``(log p(z_G), log q(z_G))``: the server's terms at one global draw, the model
-    run on the data-free ``template``."""
+    run on ``template``, one unit of silo data."""
     log_q = jnp.zeros(())
     if eta_global:
         log_q = guide.log_q_global(stop(eta_global), draw.z) - draw.log_det

@@ -275,7 +275,7 @@ def gaussian_prior(
     site is Normal (or MultivariateNormal, ``full`` only) on an unconstrained support
     with parameters that depend on no other latent site; else ``None``.
 
-    :param callable model: the model, run on ``template`` (data-free arrays).
+    :param callable model: the model, run on ``template`` (one unit of silo data).
     :param list sites: the global sites' names.
     :param dict theta0: model parameters at which the check is made.
     :param bool full: full-rank (``True``) or diagonal precision.

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from numpyro import handlers
+import numpyro.distributions as dist
 from numpyro.distributions import biject_to, constraints
 from numpyro.infer.inspect import get_model_relations
 
@@ -20,6 +21,7 @@ __all__ = [
     "analyze",
     "analyze_call",
     "call_model",
+    "nested_sizes",
     "site_specs",
 ]
 
@@ -34,6 +36,8 @@ class SiteSpec(NamedTuple):
     - **unit_axis** - axis of the silo plate in the value, or ``None`` for a global site.
     - **support** - the site's support constraint.
     - **event_dim** - event dimension of the site's distribution.
+    - **plates** - ``(plate name, axis)`` of every other plate the site lies in, with
+      the plate's axis in the value (the unit axis not removed).
     """
 
     name: str
@@ -42,6 +46,7 @@ class SiteSpec(NamedTuple):
     unit_axis: int | None
     support: Any
     event_dim: int
+    plates: tuple = ()
 
 
 class ModelRoles(NamedTuple):
@@ -54,6 +59,8 @@ class ModelRoles(NamedTuple):
     - **local_sites** - latent sample sites inside the silo plate (Z_L).
     - **observed_sites** - observed sites inside the silo plate (the silos' likelihood).
     - **param_sites** - ``numpyro.param`` sites of the model (theta, global).
+    - **factor_sites** - ``numpyro.factor`` sites outside the silo plate: prior terms
+      of the global sites, part of the server's term.
     """
 
     silo_plate: str
@@ -63,6 +70,7 @@ class ModelRoles(NamedTuple):
     local_sites: tuple[str, ...]
     observed_sites: tuple[str, ...]
     param_sites: tuple[str, ...]
+    factor_sites: tuple[str, ...] = ()
 
 
 def call_model(model: Callable, arrays: dict, args: tuple, kwargs: dict) -> Any:
@@ -168,6 +176,11 @@ def analyze(model: Callable, data: Any, *args: Any, **kwargs: Any) -> ModelRoles
     roles = _roles(model, trace, data.num_units)
     plate_site = trace.get(roles.silo_plate)
     size = int(plate_site["args"][0])
+    _check_not_subsampled(roles.silo_plate, plate_site, 0)
+    largest = int(np.argmax(data.sizes))
+    if data.sizes[largest] > data.sizes[0]:  # a fixed subsample_size shows there
+        run = _trace(model, data.silo(largest), args, kwargs)
+        _check_not_subsampled(roles.silo_plate, run[roles.silo_plate], largest)
     if size != data.sizes[0]:
         raise ValueError(
             f"Silo plate {roles.silo_plate!r} has size {size} when the model runs on "
@@ -175,10 +188,56 @@ def analyze(model: Callable, data: Any, *args: Any, **kwargs: Any) -> ModelRoles
             "(e.g. X.shape[0]) so that each silo's run sees its own units, and split "
             "every array along that plate's axis."
         )
+    _check_global_shapes(model, roles, trace, arrays, args, kwargs)
     _check_dependencies(
         model, arrays, args, kwargs, roles.global_sites, roles.local_sites
     )
     return roles
+
+
+def _check_not_subsampled(plate: str, site: dict, silo: int) -> None:
+    size, subsample_size = site["args"][:2]
+    if subsample_size is not None and int(subsample_size) != int(size):
+        raise ValueError(
+            f"The silo plate {plate!r} has subsample_size={subsample_size} (silo "
+            f"{silo} holds {size} units): each silo evaluates all of its own units, "
+            "so the silo plate cannot be subsampled. Remove subsample_size (to visit "
+            "fewer silos per round, use the algorithm's participation option)."
+        )
+
+
+def _check_global_shapes(model, roles, trace, arrays, args, kwargs) -> None:
+    """Global sites must not change with the number of units: run the model on one
+    and on two units (silo 0's first, repeated). Each run is seeded alike, so global
+    sites of equal shapes take equal values."""
+    runs = {len(next(iter(arrays.values()))): trace}
+    for units in (1, 2):
+        few = {
+            k: jnp.repeat(jnp.asarray(v)[:1], units, axis=0) for k, v in arrays.items()
+        }
+        runs[units] = _trace(model, few, args, kwargs)
+    plate = roles.silo_plate
+    for name in roles.global_sites + roles.param_sites + roles.factor_sites:
+        shapes = {n: tuple(jnp.shape(t[name]["value"])) for n, t in runs.items()}
+        if len(set(shapes.values())) > 1:
+            where = ", ".join(
+                f"{s} with {n} unit(s)" for n, s in sorted(shapes.items())
+            )
+            raise ValueError(
+                f"Site {name!r} lies outside the silo plate {plate!r} but its shape "
+                f"follows the number of units ({where}): it is per unit, not global. "
+                f"Sample it inside the plate {plate!r} (e.g. under the same "
+                "numpyro.plate as the observations)."
+            )
+    for name in roles.factor_sites:
+        logs = [np.asarray(t[name]["fn"].log_factor) for t in runs.values()]
+        if not all(np.allclose(logs[0], x, rtol=1e-6, atol=0) for x in logs[1:]):
+            raise ValueError(
+                f"numpyro.factor {name!r} lies outside the silo plate {plate!r} but "
+                "its value depends on the silo's data; the server evaluates global "
+                "terms without data. Move it inside the plate (a likelihood term of "
+                "the units) or make it a function of global sites only."
+            )
 
 
 def analyze_call(model: Callable, args: tuple, kwargs: dict) -> ModelRoles:
@@ -192,7 +251,7 @@ def analyze_call(model: Callable, args: tuple, kwargs: dict) -> ModelRoles:
 def _roles(model: Callable, trace: dict, num_units: int) -> ModelRoles:
     plate = _silo_plate(model, trace)
     frame = _plate_frames(trace).get(plate)
-    global_sites, local_sites, observed, params = [], [], [], []
+    global_sites, local_sites, observed, params, factors = [], [], [], [], []
     for name, site in trace.items():
         inside = silo_plate_name(site) == plate
         if site["type"] == "param":
@@ -204,6 +263,9 @@ def _roles(model: Callable, trace: dict, num_units: int) -> ModelRoles:
             params.append(name)
         elif site["type"] == "sample":
             if site["is_observed"]:
+                if not inside and isinstance(site["fn"], dist.Unit):
+                    factors.append(name)
+                    continue
                 if not inside:
                     raise ValueError(
                         f"Observed site {name!r} lies outside the silo plate {plate!r}: "
@@ -225,6 +287,7 @@ def _roles(model: Callable, trace: dict, num_units: int) -> ModelRoles:
         local_sites=tuple(local_sites),
         observed_sites=tuple(observed),
         param_sites=tuple(params),
+        factor_sites=tuple(factors),
     )
 
 
@@ -247,6 +310,11 @@ def site_specs(
         unit_axis = None
         if name in roles.local_sites:
             unit_axis = value.ndim - event_dim + roles.silo_dim
+        plates = tuple(
+            (f.name, value.ndim - event_dim + f.dim)
+            for f in site["cond_indep_stack"]
+            if f.name != roles.silo_plate
+        )
         specs[name] = SiteSpec(
             name,
             tuple(value.shape),
@@ -254,6 +322,7 @@ def site_specs(
             unit_axis,
             support,
             event_dim,
+            plates,
         )
     params = {}
     for name in roles.param_sites:
@@ -261,3 +330,91 @@ def site_specs(
         constraint = site["kwargs"].get("constraint") or constraints.real
         params[name] = (np.asarray(site["value"]), constraint)
     return specs, params
+
+
+def _plate_sizes(trace: dict, plates: set) -> dict[str, int]:
+    return {
+        f.name: int(f.size)
+        for site in trace.values()
+        for f in site.get("cond_indep_stack", ())
+        if f.name in plates
+    }
+
+
+def nested_sizes(
+    model: Callable, data: Any, roles: ModelRoles, *args: Any, **kwargs: Any
+) -> dict[str, np.ndarray]:
+    """
+    Each silo's real size of every plate nested in the silo plate that is ragged
+    across silos (one county per silo, each with its own number of homes).
+
+    Silos are padded to a common shape, so a nested plate sized from the data has its
+    padded size in every silo's run; its entries beyond the silo's real size are
+    padding, which :class:`~numpyro_fed.densities.silo_mask` and the guide mask out.
+    The real sizes come from running the model on each silo's own (unpadded) arrays,
+    once per distinct shape.
+
+    :param callable model: the federated model.
+    :param FederatedData data: the federated data set.
+    :param ModelRoles roles: the model's roles (:func:`analyze`).
+    :return: plate name -> ``(J,)`` int32 real sizes (empty when no array is ragged).
+    :raises ValueError: naming the site and silo, when a ragged array reaches a
+        site along an axis that is not a plate nested in the silo plate (an event
+        axis, or an axis outside the silo plate), where padding cannot be masked.
+    """
+    if not data.ragged:
+        return {}
+    padded = _trace(model, {k: v[0] for k, v in data.arrays.items()}, args, kwargs)
+    inner = {
+        f.name
+        for site in padded.values()
+        if site["type"] == "sample" and silo_plate_name(site) == roles.silo_plate
+        for f in site["cond_indep_stack"]
+        if f.name != roles.silo_plate
+    }
+    full = _plate_sizes(padded, inner)
+    sizes = {
+        name: np.full(data.num_silos, size, np.int32) for name, size in full.items()
+    }
+    seen: dict[tuple, int] = {}
+    for j, shapes in enumerate(data.silo_shapes):
+        signature = tuple(shape[1:] for shape in shapes.values())
+        if signature in seen:
+            for name in sizes:
+                sizes[name][j] = sizes[name][seen[signature]]
+            continue
+        seen[signature] = j
+        own = _trace(model, data.silo(j), args, kwargs)
+        for name, size in _plate_sizes(own, inner).items():
+            sizes[name][j] = size
+        _check_ragged_sites(own, padded, roles.silo_plate, j)
+    return {name: s for name, s in sizes.items() if (s != full[name]).any()}
+
+
+def _check_ragged_sites(own: dict, padded: dict, plate: str, silo: int) -> None:
+    """Sites of a silo's own run may differ from the padded run only along plates
+    nested in the silo plate (or the silo plate itself)."""
+    for name, site in padded.items():
+        if site["type"] not in ("sample", "param") or name not in own:
+            continue
+        shape, real = jnp.shape(site["value"]), jnp.shape(own[name]["value"])
+        if shape == real:
+            continue
+        event_dim = site["fn"].event_dim if site["type"] == "sample" else 0
+        inside = silo_plate_name(site) == plate
+        masked = {
+            len(shape) - event_dim + f.dim
+            for f in site.get("cond_indep_stack", ())
+            if inside
+        }
+        axes = [i for i, (a, b) in enumerate(zip(shape, real, strict=False)) if a != b]
+        if len(shape) != len(real) or not set(axes) <= masked:
+            where = "inside" if inside else "outside"
+            raise ValueError(
+                f"Site {name!r} ({where} the silo plate {plate!r}) has shape "
+                f"{tuple(real)} on silo {silo}'s own data but {tuple(shape)} once "
+                "silos are padded to a common shape, along an axis that is not a "
+                f"plate nested in {plate!r}: padding there cannot be masked. Put "
+                f"that axis under a numpyro.plate inside {plate!r} (a ragged event "
+                "dimension or a global site sized by ragged data cannot be federated)."
+            )

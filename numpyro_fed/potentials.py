@@ -32,7 +32,7 @@ from numpyro.distributions import biject_to
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed.densities import data_template, server_log_density, silo_log_density
-from numpyro_fed.partition import ModelRoles, analyze
+from numpyro_fed.partition import ModelRoles, analyze, nested_sizes
 
 __all__ = ["FederatedPotential", "SiteLayout", "batch_indices", "federated_potential"]
 
@@ -224,7 +224,7 @@ class FederatedPotential:
     def init_global(
         self, key: jax.Array, init_strategy: Callable = init_to_uniform
     ) -> dict:
-        """Initial global sites from the data-free template (what a server can do)."""
+        """Initial global sites from the template (one unit of silo data)."""
         values = self._init_values(key, self._template, init_strategy)
         return self.split(values)[0]
 
@@ -274,6 +274,13 @@ def federated_potential(model: Callable, data: Any) -> FederatedPotential:
             f"The model has numpyro.param site(s) {list(roles.param_sites)}: a sampler "
             "treats every unknown as a latent site. Give them priors (numpyro.sample) "
             "or fix them with numpyro.handlers.substitute."
+        )
+    ragged = nested_sizes(model, data, roles)
+    if ragged:
+        raise NotImplementedError(
+            f"Plate(s) {sorted(ragged)} nested in the silo plate {roles.silo_plate!r} "
+            "are ragged across silos; the samplers do not mask their padding yet. "
+            "Use SFVI or PVI, or give the silos equal nested sizes."
         )
     padded = {k: v[0] for k, v in data.arrays.items()}
     trace = handlers.trace(handlers.seed(model, jax.random.key(0))).get_trace(**padded)

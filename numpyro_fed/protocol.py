@@ -17,8 +17,9 @@ does not change from round to round (no ``None`` toggles, no Python scalars), so
 codec can ship it and one compiled round serves every round.
 
 The key handed to ``silo_step`` belongs to the silo: a runtime draws it on the silo
-(or, in simulation, splits it from the run's key); nothing in a server message lets
-the server replay a silo's computation.
+(or, in simulation, splits it from the run's key apart from the server's); nothing in
+a server message lets the server replay a silo's computation (except in the
+``reproducible=True`` test modes of FSGLD, DSGLD and SFVI, which say so).
 """
 
 from typing import Any, NamedTuple, Protocol
@@ -48,16 +49,25 @@ class SiloData(NamedTuple):
     - **arrays** - dict of arrays in the model's layout (units along axis 0), padded.
     - **mask** - booleans, True for the silo's real units.
     - **unit_ids** - each unit's index in the pooled data (-1 for padding).
+    - **nested** - dict plate name -> the silo's real size of each plate nested in the
+      silo plate whose size differs across silos (ragged nested axes; empty when
+      none): entries beyond it are padding, masked out of every site.
     """
 
     arrays: dict[str, jax.Array]
     mask: jax.Array
     unit_ids: jax.Array
+    nested: dict[str, jax.Array] = {}
 
 
-def silo_data_of(data: Any) -> SiloData:
-    """The stacked :class:`SiloData` of a :class:`~numpyro_fed.FederatedData`."""
-    return SiloData(dict(data.arrays), data.mask, data.unit_ids)
+def silo_data_of(data: Any, nested: dict | None = None) -> SiloData:
+    """The stacked :class:`SiloData` of a :class:`~numpyro_fed.FederatedData`.
+
+    :param dict nested: ``(J,)`` real sizes of the ragged nested plates
+        (:func:`~numpyro_fed.partition.nested_sizes`), if any.
+    """
+    nested = {k: jnp.asarray(v, jnp.int32) for k, v in (nested or {}).items()}
+    return SiloData(dict(data.arrays), data.mask, data.unit_ids, nested)
 
 
 class Message(NamedTuple):

@@ -117,3 +117,20 @@ def _as_numpy(x):
 def tree_allclose(a, b, **kw):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_allclose(_as_numpy(x), _as_numpy(y), **kw)
+
+
+def numpyro_svi_reference(fed, guide, svi, data, num_steps, optim, pooled=None):
+    """Centralized NumPyro SVI started from a federated VI's initial parameters and
+    key: ``(state, result)``, where ``state`` is the federated initial state whose key
+    continues as the reference's does. ``pooled`` defaults to ``data.pooled()``."""
+    from numpyro.infer import SVI, Trace_ELBO
+
+    pooled = data.pooled() if pooled is None else pooled
+    state = svi.init(jax.random.key(0), data)
+    init = svi.pooled_params(svi.get_params(state), data)
+    ref = SVI(fed, guide, optim, Trace_ELBO())
+    ref_state = ref.init(jax.random.key(1), init_params=init, **pooled)
+    result = ref.run(
+        None, num_steps, progress_bar=False, init_state=ref_state, **pooled
+    )
+    return state._replace(rng_key=ref_state.rng_key), result

@@ -127,6 +127,15 @@ def test_a_chain_of_another_data_layout_is_refused_naming_the_site(kernel):
     mcmc.post_warmup_state = mcmc.last_state
     with pytest.raises(ValueError, match=site):
         mcmc.run(mcmc.post_warmup_state.rng_key, other)
+    # without local latents only the silos' keys tell the silo count
+    logistic = nf.federate(m.logistic, silos="data")
+    rows = m.logistic_data(num_rows=12)
+    two, three = (
+        nf.FederatedData.from_groups(np.arange(12) % j, **rows) for j in (2, 3)
+    )
+    chain = nf.DSGLD(logistic, 1e-3).init(jax.random.key(0), 0, None, (two,), {})
+    with pytest.raises(ValueError, match="silo_keys holds 2 .* data hold 3 silos"):
+        nf.DSGLD(logistic, 1e-3).sample(chain, (three,), {})
     # a fresh kernel steps a saved state without init
     assert jnp.isfinite(make(data).sample(state, (data,), {}).z["mu"]).all()
 

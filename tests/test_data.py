@@ -162,13 +162,19 @@ def test_from_silos_ragged_nested_axis():
     assert not np.asarray(pooled["obs"])[5:, 2].any()
 
 
-def test_from_silos_ragged_nested_without_mask_raises():
+def test_from_silos_ragged_nested_without_mask():
+    """Ragged nested axes need no mask array: the library masks the padding. Only
+    the pooled layout, which an unedited model would read padding and all, refuses."""
     silos = [
         {"y": np.ones((5, 3)), "x": np.ones(5)},
-        {"y": np.ones((4, 2)), "x": np.ones(4)},
+        {"y": 2 * np.ones((4, 2)), "x": np.ones(4)},
     ]
-    with pytest.raises(ValueError, match=r"\['y'\].*boolean mask"):
-        FederatedData.from_silos(silos)
+    data = FederatedData.from_silos(silos)
+    assert data.ragged == ("y",) and data.arrays["y"].shape == (2, 5, 3)
+    assert data.silo_shapes == ({"y": (5, 3), "x": (5,)}, {"y": (4, 2), "x": (4,)})
+    np.testing.assert_array_equal(np.asarray(data.silo(1)["y"]), silos[1]["y"])
+    with pytest.raises(ValueError, match=r"\['y'\].*ragged.*boolean mask"):
+        data.pooled()
 
 
 def test_from_silos_empty_nested_axis_raises():
@@ -370,3 +376,19 @@ def test_split_dirichlet_reproducible_and_non_empty():
 
     # small alpha: silos dominated by few labels; large alpha: close to iid (0.2)
     assert top_share(a) > 0.45 and top_share(split(4, alpha=1e3)) < 0.35
+
+
+def test_min_silo_size_refuses_small_silos_by_name():
+    y = np.arange(6.0)
+    with pytest.raises(ValueError, match=r"silo 1 \(label 'b'\) holds 1 unit\(s\)"):
+        FederatedData.from_groups(list("aabccc"), min_silo_size=2, y=y)
+    with pytest.raises(ValueError, match=r"silo 0 holds 1; silo 2 holds 2 unit"):
+        FederatedData.from_silos(
+            [{"y": y[:1]}, {"y": y[1:4]}, {"y": y[4:]}], min_silo_size=3
+        )
+    with pytest.raises(ValueError, match="min_silo_size must be None or an int"):
+        FederatedData.from_groups([0, 1], min_silo_size=1.5, y=y[:2])
+    # at the minimum, or with no minimum (the default), every silo is kept
+    data = FederatedData.from_groups(list("aabbcc"), min_silo_size=2, y=y)
+    assert data.sizes == (2, 2, 2)
+    assert FederatedData.from_groups(list("aabccc"), y=y).sizes == (2, 1, 3)

@@ -44,7 +44,7 @@ def make_fit(algorithm: str, local_steps: int):
     if algorithm == "pvi":
         return nf.PVI(fed, guide, optax.adam(5e-2), local_steps=local_steps)
     if algorithm == "sfvi":
-        return nf.SFVI(fed, guide, optax.adam(5e-2), reproducible=False)
+        return nf.SFVI(fed, guide, optax.adam(5e-2))
     raise ValueError(f"algorithm must be 'pvi' or 'sfvi', got {algorithm!r}.")
 
 

@@ -261,7 +261,7 @@ def fedgvi(
     :param callable model: the federated model.
     :param guide: an :class:`~numpyro_fed.AutoStructured` guide, already set up.
     :param local_optim: the silos' optax optimizer.
-    :param dict template: data-free arrays shaped like one unit of silo data.
+    :param dict template: one unit of silo data (:func:`~numpyro_fed.densities.data_template`).
     :param callable prior_of: as for :func:`~numpyro_fed.algorithms.pvi.pvi`.
     :param callable loss: ``(site, log_prob) -> value`` per observation (e.g.
         :func:`gce_loss`); ``None`` keeps the log-likelihood.

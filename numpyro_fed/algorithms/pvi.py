@@ -49,6 +49,7 @@ from numpyro_fed.expfam import (
     to_loc_scale,
     to_moments,
 )
+from numpyro_fed.guard import guard_nonfinite
 from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
 from numpyro_fed.util import all_finite, ascent, constrain, tree_where, unconstrain
 
@@ -253,7 +254,7 @@ def pvi(
     :param guide: an :class:`~numpyro_fed.AutoStructured` guide, already set up; its
         global factor (``global_cov="diag"`` or ``"full"``) is the PVI family.
     :param local_optim: the silos' optax optimizer.
-    :param dict template: data-free arrays shaped like one unit of silo data.
+    :param dict template: one unit of silo data (:func:`~numpyro_fed.densities.data_template`).
     :param int num_silos: :math:`J` (the server keeps one acknowledgement per silo).
     :param int local_steps: optimizer steps (or fixed-point iterations) per round.
     :param float damping: :math:`\\rho \\in (0, 1]` (1 = undamped).
@@ -297,9 +298,8 @@ def pvi(
     def silo_lik(values: dict, data: SiloData) -> jax.Array:
         """log p(y_m, z_m | u, theta) (or its robust-loss version) at site values."""
         mask = data.mask if padded else None
-        return silo_log_density(
-            model, plate, data.arrays, mask, values, observed_fn=observed_fn
-        )
+        options = dict(observed_fn=observed_fn, nested=data.nested)
+        return silo_log_density(model, plate, data.arrays, mask, values, **options)
 
     def silo_term(glob_u, eta_l_u, theta_u, key, data: SiloData):
         """One draw of log p(y_m, z_m | u) - log q(z_m | u) and the global draw."""
@@ -452,15 +452,14 @@ def pvi(
                 )
             q_new, new_state = fit(message, state, data, cav)
             delta = q_new.minus(message.q).times(damping)
-            ok = valid & all_finite((delta, elbo, grad_theta))
             zeros = jax.tree.map(jnp.zeros_like, delta)
-            # A non-finite reply goes to the server as it is: the server rejects and
-            # counts it (acknowledging 0); the silo keeps its state.
+            # An invalid cavity is reported (the server acknowledges 0) and the silo
+            # keeps its state; a non-finite reply is the non-finite guard's to reject.
             reply = PVISiloMessage(
                 tree_where(valid, delta, zeros), grad_theta, elbo, valid
             )
-            new_state = tree_where(ok, new_state, state)
-            return reply, new_state._replace(pending=tree_where(ok, delta, zeros))
+            new_state = tree_where(valid, new_state, state)
+            return reply, new_state._replace(pending=tree_where(valid, delta, zeros))
 
         return step
 
@@ -536,8 +535,7 @@ def pvi(
         state: PVIServerState, replies: PVISiloMessage, key, participating
     ) -> tuple[PVIServerState, PVIInfo]:
         message = cavity.message(state.q, state.prior, state.theta)
-        finite = jax.vmap(all_finite)((replies.delta, replies.elbo, replies.grad_theta))
-        used = participating & finite & replies.valid_cavity
+        used = participating & replies.valid_cavity
 
         def used_sum(x):
             rows = used.reshape((-1,) + (1,) * (x.ndim - 1))
@@ -574,7 +572,7 @@ def pvi(
             theta, optim_state = ascent(
                 hyper_optim, grads, state.optim_state, state.theta
             )
-            ok = all_finite(theta)
+            ok = all_finite(theta) & jnp.any(used)  # the prior alone moves nothing
             new = state._replace(theta=theta, optim_state=optim_state)
             if not refine_prior:
                 # An exact prior that depends on theta moves q with it (q = p prod t_m).
@@ -588,12 +586,14 @@ def pvi(
         invalid = participating & ~replies.valid_cavity
         info = PVIInfo(
             -elbo,
-            participating & ~(finite & replies.valid_cavity),
+            participating & ~replies.valid_cavity,
             jnp.where(jnp.any(participating), scale, 1.0),
             jnp.where(jnp.any(invalid), jnp.argmax(invalid), -1),
         )
         return state, info
 
-    return FederatedAlgorithm(
-        init_server, init_silo, server_message, silo_step, server_step
+    return guard_nonfinite(
+        FederatedAlgorithm(
+            init_server, init_silo, server_message, silo_step, server_step
+        )
     )

@@ -25,8 +25,9 @@ from numpyro_fed.elbo import (
     server_terms,
     silo_terms,
 )
+from numpyro_fed.guard import guard_nonfinite
 from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
-from numpyro_fed.util import all_finite, ascent, constrain, tree_where, unconstrain
+from numpyro_fed.util import ascent, constrain, tree_where, unconstrain
 
 __all__ = [
     "SFVIInfo",
@@ -114,8 +115,9 @@ def sfvi(
     :param guide: an :class:`~numpyro_fed.AutoStructured` guide, already set up.
     :param optimizer: an optax transformation; elementwise ones (Adam, SGD) make the
         split server/silo states identical to one centralized optimizer.
-    :param dict template: data-free arrays shaped like one unit of silo data, from
-        which the server term is evaluated.
+    :param dict template: one unit of silo data
+        (:func:`~numpyro_fed.densities.data_template`), on which the server term is
+        evaluated.
     :param int num_particles: Monte Carlo draws per round.
     :param bool stl: use the sticking-the-landing estimator (Roeder et al. 2017);
         ``False`` gives NumPyro's ``Trace_ELBO`` gradient.
@@ -180,10 +182,7 @@ def sfvi(
         eta_local, optim_state = ascent(
             optimizer, g_eta_l, state.optim_state, state.eta_local
         )
-        # A non-finite local step is not taken (NumPyro's stable_update); the server
-        # drops this silo's message for the same reason.
-        ok = all_finite((g_eta_l, elbo))
-        new_state = tree_where(ok, SFVISiloState(eta_local, optim_state), state)
+        new_state = SFVISiloState(eta_local, optim_state)
         reply = SFVISiloMessage(
             g_theta, g_eta_g, elbo if report_elbo else jnp.zeros_like(elbo)
         )
@@ -212,8 +211,7 @@ def sfvi(
         elbo0, (g_theta, g_eta_g) = server_grad(
             state.theta, state.eta_global, eps, keys, None
         )
-        finite = jax.vmap(all_finite)(replies)
-        used = finite if participating is None else finite & participating
+        used = participating
         # A uniformly random subset of k silos, scaled by J / k, sums to the full
         # gradient in expectation (exactly 1 when every silo is used).
         scale = used.shape[0] / jnp.maximum(jnp.sum(used), 1)
@@ -229,9 +227,12 @@ def sfvi(
         params, optim_state = ascent(
             optimizer, grads, state.optim_state, (state.theta, state.eta_global)
         )
-        info = SFVIInfo(-elbo, participating & ~finite)
-        return SFVIServerState(*params, optim_state), info
+        # With no silo's term the gradient is the prior's alone: take no step.
+        new = tree_where(jnp.any(used), SFVIServerState(*params, optim_state), state)
+        return new, SFVIInfo(-elbo, jnp.zeros_like(used))
 
-    return FederatedAlgorithm(
-        init_server, init_silo, server_message, silo_step, server_step
+    return guard_nonfinite(
+        FederatedAlgorithm(
+            init_server, init_silo, server_message, silo_step, server_step
+        )
     )

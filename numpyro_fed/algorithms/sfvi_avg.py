@@ -35,15 +35,9 @@ from numpyro_fed.aggregate import (
 from numpyro_fed.algorithms.sfvi import SFVIInfo
 from numpyro_fed.elbo import draw_global, initial_globals, server_terms, silo_terms
 from numpyro_fed.families.structured import unit_tril
+from numpyro_fed.guard import guard_nonfinite
 from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
-from numpyro_fed.util import (
-    all_finite,
-    ascent,
-    constrain,
-    rows_where,
-    tree_where,
-    unconstrain,
-)
+from numpyro_fed.util import ascent, constrain, tree_where, unconstrain
 
 __all__ = [
     "SFVIAvgServerMessage",
@@ -117,7 +111,7 @@ def sfvi_avg(
     :param callable model: the federated model.
     :param guide: an :class:`~numpyro_fed.AutoStructured` guide, already set up.
     :param optimizer: optax transformation used by every silo's local steps.
-    :param dict template: data-free arrays shaped like one unit of silo data.
+    :param dict template: one unit of silo data (:func:`~numpyro_fed.densities.data_template`).
     :param int num_units: :math:`N`, units in the pooled data (each silo scales its
         terms by :math:`N/N_j`).
     :param int local_steps: :math:`m`, local steps per round.
@@ -207,8 +201,6 @@ def sfvi_avg(
         carry, elbos = jax.lax.scan(local_step, carry, step_keys)
         (theta, eta_g), eta_l, opt_g, opt_l = carry
         new_state = SFVIAvgSiloState(eta_l, opt_l, opt_g)
-        ok = all_finite((eta_l, theta, eta_g))
-        new_state = tree_where(ok, new_state, state)
         reply = SFVIAvgSiloMessage(theta, eta_g, elbos[-1], jnp.sum(data.mask))
         return reply, new_state
 
@@ -236,10 +228,7 @@ def sfvi_avg(
         state: SFVIAvgServerState, replies: SFVIAvgSiloMessage, key, participating
     ):
         del key
-        finite = jax.vmap(all_finite)(replies)
-        used = finite & participating
-        # A rejected reply gets weight 0, and 0 * NaN is NaN: zero it out first.
-        replies = rows_where(used, replies, jax.tree.map(jnp.zeros_like, replies))
+        used = participating
         sizes = replies.num_units.astype(replies.elbo.dtype)
         weights = jnp.where(used, sizes if weighted else 1.0, 0.0)
         theta = weighted_mean(replies.theta, weights) if state.theta else state.theta
@@ -248,8 +237,10 @@ def sfvi_avg(
         kept = tree_where(jnp.any(used), SFVIAvgServerState(theta, eta_g), state)
         clean = jnp.where(used, replies.elbo, 0.0)
         loss = -jnp.sum(clean) / jnp.maximum(jnp.sum(used), 1)
-        return kept, SFVIInfo(loss, participating & ~finite)
+        return kept, SFVIInfo(loss, jnp.zeros_like(used))
 
-    return FederatedAlgorithm(
-        init_server, init_silo, server_message, silo_step, server_step
+    return guard_nonfinite(
+        FederatedAlgorithm(
+            init_server, init_silo, server_message, silo_step, server_step
+        )
     )

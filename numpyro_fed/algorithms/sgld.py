@@ -28,13 +28,17 @@ stationary law is the posterior as :math:`h \\to 0` when silos alternate often
 (small ``tau``).
 
 On the contract: ``select`` names the chain's silo :math:`c_r`; the server sends the
-chain (global position, step counter, key) and each silo its own index; the silo takes
+chain (global position and step counter) and each silo its own index; the silo takes
 ``steps_per_contact`` steps on its own data and local sites; the server moves the chain
-to the end of the trajectory and draws the next silo when the counter reaches a
-multiple of ``tau``. Step :math:`t` draws from ``fold_in(chain_key, t)`` and the chain's
-key travels with the chain: this is the contract's reproducible mode, in which every
-runtime and the MCMC kernel give the same chain draw for draw (the server could replay
-a silo's noise and minibatch choice, not its data).
+to the end of the trajectory and draws the next silo (from its own chain key) when the
+counter reaches a multiple of ``tau``. Step :math:`t` of a silo draws its minibatch and
+Langevin noise from ``fold_in(key, t)`` of the silo's own ``key`` (the one the runtime
+gives ``silo_step``), which the server never sees: knowing the noise, the server could
+subtract it from the trajectory and read off the silo's minibatch gradient, and with
+``batch_size=1`` invert it into the data row. ``reproducible=True`` is the old mode
+kept for tests: the chain's key travels in the message and the silo draws from
+``fold_in(chain_key, t)``, so every runtime gives the same chain whatever silo keys it
+passes, and the server can replay every silo's noise and minibatch choice.
 
 **References:**
 
@@ -50,9 +54,10 @@ import jax.numpy as jnp
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed.expfam import GaussianNat, grad_log_density
+from numpyro_fed.guard import guard_nonfinite
 from numpyro_fed.potentials import FederatedPotential, batch_indices
 from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
-from numpyro_fed.util import all_finite, take, tree_where
+from numpyro_fed.util import take, tree_where
 
 __all__ = [
     "Estimator",
@@ -102,7 +107,9 @@ class FSGLDServerState(NamedTuple):
     """- **z_global** - unconstrained global sites (the chain's shared part).
     - **step** - global step counter :math:`t` (steps taken so far).
     - **silo** - :math:`c_r`, the silo holding the chain.
-    - **rng_key** - the chain's key; step :math:`t` draws from ``fold_in(rng_key, t)``.
+    - **rng_key** - the chain's key: the silo of a visit starting at step :math:`t`
+      is drawn from ``fold_in(rng_key, t)`` (and, with ``reproducible=True``, so are
+      the silos' minibatches and noise).
     """
 
     z_global: dict
@@ -125,12 +132,13 @@ class FSGLDServerMessage(NamedTuple):
 
     - **z_global** - the chain's global position.
     - **step** - the global step counter.
-    - **rng_key** - the chain's key.
+    - **rng_key** - the chain's key with ``reproducible=True``; ``()`` (nothing is
+      sent) in the default private mode, where the key stays with the server.
     """
 
     z_global: dict
     step: jax.Array
-    rng_key: jax.Array
+    rng_key: jax.Array | tuple
 
 
 class FSGLDSiloMessage(NamedTuple):
@@ -242,8 +250,11 @@ def conducive_factors(
     )
 
 
-def _keys(chain_key: jax.Array, t: jax.Array) -> jax.Array:
-    return jax.random.split(jax.random.fold_in(chain_key, t), 3)
+def _keys(key: jax.Array, t: jax.Array) -> jax.Array:
+    # The (silo choice, minibatch, noise) keys of step t: the server takes the first
+    # from the chain's key, a silo the other two from its own key (from the chain's
+    # with reproducible=True).
+    return jax.random.split(jax.random.fold_in(key, t), 3)
 
 
 def choose_silo(cfg: SGLDConfig, chain_key: jax.Array, t: jax.Array) -> jax.Array:
@@ -319,9 +330,9 @@ def silo_estimator(pot: FederatedPotential, cfg: SGLDConfig, silo: Any) -> Estim
     return estimator
 
 
-def _langevin_step(pot, cfg, estimator, position, arrays, mask, t, chain_key):
-    """One Langevin step on one silo; the draws come from ``fold_in(chain_key, t)``."""
-    _, k_batch, k_noise = _keys(chain_key, t)
+def _langevin_step(pot, cfg, estimator, position, arrays, mask, t, key):
+    """One Langevin step on one silo; the draws come from ``fold_in(key, t)``."""
+    _, k_batch, k_noise = _keys(key, t)
     h = cfg.step_size(t)
     idx = None
     if cfg.batch_size is not None:
@@ -351,6 +362,7 @@ def fsgld(
     *,
     steps_per_contact: int | None = None,
     reject_nonfinite: bool = True,
+    reproducible: bool = False,
 ) -> FederatedAlgorithm:
     """
     FSGLD (DSGLD when ``cfg.conducive`` is ``None``) as a
@@ -369,6 +381,11 @@ def fsgld(
     :param bool reject_nonfinite: drop a non-finite trajectory (the contract's
         guard against a faulty silo); the MCMC kernels turn it off, so a diverging
         chain shows NaNs, as NumPyro's samplers do, and skips the check's cost.
+    :param bool reproducible: send the chain's key to the silo, which draws step
+        :math:`t` from ``fold_in(chain_key, t)``: every runtime then gives the same
+        chain whatever silo keys it passes, but the server can replay a silo's
+        noise and minibatch choice (and invert a one-row minibatch's gradient into
+        the row). Default ``False``: the silo draws from its own ``key``.
     :rtype: FederatedAlgorithm
     """
     steps = cfg.tau if steps_per_contact is None else steps_per_contact
@@ -388,12 +405,13 @@ def fsgld(
 
     def server_message(state: FSGLDServerState, key: jax.Array) -> Message:
         del key
-        chain = FSGLDServerMessage(state.z_global, state.step, state.rng_key)
+        chain_key = state.rng_key if reproducible else ()
+        chain = FSGLDServerMessage(state.z_global, state.step, chain_key)
         return Message(chain, jnp.arange(num_silos, dtype=jnp.int32))
 
     def silo_step(message: Message, state: FSGLDSiloState, data: SiloData, key):
-        del key  # reproducible mode: the draws come from the chain's key
         chain, silo = message.broadcast, message.routed
+        draw_key = chain.rng_key if reproducible else key
         estimator = silo_estimator(pot, cfg, silo)
 
         def body(position, i):
@@ -405,7 +423,7 @@ def fsgld(
                 data.arrays,
                 data.mask,
                 chain.step + i,
-                chain.rng_key,
+                draw_key,
             )
             return position, pot.unflatten(position[0])
 
@@ -413,10 +431,6 @@ def fsgld(
         (_, z_local), trajectory = jax.lax.scan(
             body, start, jnp.arange(steps, dtype=jnp.int32), unroll=steps == 1
         )
-        # The server drops a non-finite trajectory; the silo keeps its locals then.
-        if z_local and reject_nonfinite:
-            ok = all_finite((trajectory, z_local))
-            z_local = tree_where(ok, z_local, state.z_local)
         return FSGLDSiloMessage(trajectory), FSGLDSiloState(z_local)
 
     def select(state: FSGLDServerState, key: jax.Array, num: int) -> jax.Array:
@@ -428,11 +442,10 @@ def fsgld(
         silo = state.silo
         reply = take(replies, silo)
         arrived = participating[silo]
-        finite = all_finite(reply) if reject_nonfinite else jnp.array(True)
         here = jax.tree.map(
             lambda x: jnp.broadcast_to(x, (steps,) + jnp.shape(x)), state.z_global
         )
-        trajectory = tree_where(arrived & finite, reply.trajectory, here)
+        trajectory = tree_where(arrived, reply.trajectory, here)
         step = jnp.where(arrived, state.step + steps, state.step)
         # The Cat(f) draw costs O(J) (a Gumbel per silo): a cond pays it once per
         # visit, not every step (under vmap with per-chain counters it is a select).
@@ -442,13 +455,15 @@ def fsgld(
             lambda: silo,
         )
         new = FSGLDServerState(take(trajectory, -1), step, silo, state.rng_key)
-        rejected = (jnp.arange(num_silos) == state.silo) & arrived & ~finite
         loss = jnp.zeros((), jnp.result_type(float))
-        return new, FSGLDInfo(loss, rejected, trajectory)
+        return new, FSGLDInfo(loss, jnp.zeros_like(participating), trajectory)
 
-    return FederatedAlgorithm(
+    algorithm = FederatedAlgorithm(
         init_server, init_silo, server_message, silo_step, server_step, select
     )
+    # The MCMC kernel keeps a diverging chain's NaNs in its samples, as NumPyro's
+    # kernels do; every other runtime rejects a non-finite trajectory.
+    return guard_nonfinite(algorithm) if reject_nonfinite else algorithm
 
 
 def dsgld(
@@ -458,6 +473,7 @@ def dsgld(
     *,
     steps_per_contact: int | None = None,
     reject_nonfinite: bool = True,
+    reproducible: bool = False,
 ) -> FederatedAlgorithm:
     """DSGLD (Ahn et al. 2014): :func:`fsgld` without surrogates (``alpha = 0``);
     ``cfg``'s surrogates, if any, are ignored."""
@@ -468,4 +484,5 @@ def dsgld(
         init_strategy,
         steps_per_contact=steps_per_contact,
         reject_nonfinite=reject_nonfinite,
+        reproducible=reproducible,
     )

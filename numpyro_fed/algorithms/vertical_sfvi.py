@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_fed.checks import check_count
+from numpyro_fed.guard import guard_nonfinite
 from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
 from numpyro_fed.util import ascent
 from numpyro_fed.vertical.augment import AugmentedModel, z_name
@@ -164,8 +165,8 @@ class VerticalServerState(NamedTuple):
 class VerticalInfo(NamedTuple):
     """- **loss** - the negative ELBO estimate of the round (zero in the phases that
       do not complete it).
-    - **rejected** - ``(J,)`` booleans, all False: a round needs every party's
-      auxiliary, so no reply is ever dropped.
+    - **rejected** - ``(J,)`` booleans: parties whose reply was not finite; a round
+      needs every party's auxiliary, so the server takes no step then.
     - **server_elbo** - the server's ELBO term.
     - **party_elbo** - ``(J,)``: each party's ELBO term."""
 
@@ -477,8 +478,11 @@ def vertical_sfvi(
         branches = [collect, cross, update] if power else [send, update]
         return _switch(state.phase, branches, state)
 
-    return FederatedAlgorithm(
-        init_server, init_silo, server_message, silo_step, server_step
+    return guard_nonfinite(
+        FederatedAlgorithm(
+            init_server, init_silo, server_message, silo_step, server_step
+        ),
+        all_or_nothing=True,
     )
 
 

@@ -236,11 +236,12 @@ class AutoAmortized(AutoStructured):
         loc, scale = self._loc_scale(eta_g, eta_l)
         return loc + scale * eps
 
-    def log_q_local(self, eta_g, eta_l, z_g, z_l) -> jax.Array:
-        """Per-unit :math:`\\log q(z_L)`, shape ``(units,)``."""
+    def log_q_local(self, eta_g, eta_l, z_g, z_l, mask=None) -> jax.Array:
+        """Per-unit :math:`\\log q(z_L)`, shape ``(units,)``, over the coordinates
+        where ``mask`` is True."""
         del z_g
         loc, scale = self._loc_scale(eta_g, eta_l)
-        return gaussian_log_density(z_l, loc, scale, None)
+        return gaussian_log_density(z_l, loc, scale, None, mask)
 
     def num_units(self, eta_l: dict) -> int:
         """Units held by one silo: its stored encoder inputs."""

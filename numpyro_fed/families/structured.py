@@ -56,9 +56,19 @@ def _gaussian_log_density_terms(z, loc, scale, tril):
     return -0.5 * _LOG_2PI - jnp.log(scale) - 0.5 * white**2
 
 
-def gaussian_log_density(z, loc, scale, tril):
-    """log N(z; loc, diag(scale) L L^T diag(scale)) with L unit lower-triangular."""
-    return jnp.sum(_gaussian_log_density_terms(z, loc, scale, tril), -1)
+def gaussian_log_density(z, loc, scale, tril, mask=None):
+    """log N(z; loc, diag(scale) L L^T diag(scale)) with L unit lower-triangular;
+    with ``mask``, the sum of the chain-rule terms where it is True."""
+    terms = _gaussian_log_density_terms(z, loc, scale, tril)
+    if mask is not None:
+        terms = jnp.where(mask, terms, 0.0)
+    return jnp.sum(terms, -1)
+
+
+def _padded_silo(data: Any) -> dict:
+    """Silo 0's units in the common padded layout: the local sites' shapes as every
+    silo step sees them (ragged nested axes at their padded size)."""
+    return {k: v[0, : data.sizes[0]] for k, v in data.arrays.items()}
 
 
 class AutoStructured:
@@ -145,8 +155,43 @@ class AutoStructured:
     def setup(self, data: Any, *args: Any, **kwargs: Any) -> ModelRoles:
         """Analyze the model on federated data (idempotent for the same layout)."""
         roles = analyze(self.model, data, *args, **kwargs)
-        self._setup(roles, data.silo(0), args, kwargs)
+        self._setup(roles, _padded_silo(data), args, kwargs)
         return roles
+
+    def check_model(self, model: Callable, data: Any, *args: Any, **kwargs: Any):
+        """Raise unless ``model`` has this guide's latent sites (names, shapes,
+        supports) and silo plate: an algorithm given a guide built for another model.
+
+        :param callable model: the model the algorithm fits.
+        :param FederatedData data: the federated data set.
+        :raises ValueError: naming the sites that differ.
+        """
+        self._require_setup()
+        if model is self.model:
+            return
+        roles = analyze(model, data, *args, **kwargs)
+        specs, _ = site_specs(model, roles, _padded_silo(data), args, kwargs)
+        mine = {**self.global_specs, **self.local_specs}
+
+        def signature(spec):
+            return spec.shape, spec.unit_axis is None, str(spec.support)
+
+        differ = sorted(
+            set(specs).symmetric_difference(mine)
+            | {
+                n
+                for n in set(specs) & set(mine)
+                if signature(specs[n]) != signature(mine[n])
+            }
+        )
+        if differ or roles.silo_plate != self.roles.silo_plate:
+            raise ValueError(
+                "The guide was built for another model: latent sites "
+                f"{differ} differ (the model has {sorted(specs)} in silo plate "
+                f"{roles.silo_plate!r}, the guide {sorted(mine)} in "
+                f"{self.roles.silo_plate!r}). Build it from the model you fit, e.g. "
+                "nf.AutoStructured(model)."
+            )
 
     def _setup(self, roles: ModelRoles, arrays: dict, args: tuple, kwargs: dict):
         specs, params = site_specs(self.model, roles, arrays, args, kwargs)
@@ -273,9 +318,12 @@ class AutoStructured:
             log_det = log_det + jnp.sum(t.log_abs_det_jacobian(u, values[n]))
         return values, log_det
 
-    def constrain_local(self, z: jax.Array) -> tuple[dict, jax.Array]:
+    def constrain_local(
+        self, z: jax.Array, mask: jax.Array | None = None
+    ) -> tuple[dict, jax.Array]:
         """Map per-unit local vectors ``(units, n_L)`` to site values; also return the
-        per-unit :math:`\\log|\\det J|`, shape ``(units,)``."""
+        per-unit :math:`\\log|\\det J|`, shape ``(units,)``, over the coordinates
+        where ``mask`` (``(units, n_L)``, :meth:`local_mask`) is True."""
         units = z.shape[0]
         values, log_det, start = {}, jnp.zeros((units,), z.dtype), 0
         for n, s in self.local_specs.items():
@@ -283,13 +331,54 @@ class AutoStructured:
             shape.pop(s.unit_axis)
             size = int(np.prod(shape))
             u = z[:, start : start + size].reshape((units, *shape))
+            block = None if mask is None else mask[:, start : start + size]
             start += size
             u = jnp.moveaxis(u, 0, s.unit_axis)
             t = biject_to(s.support)
             values[n] = t(u)
             ld = jnp.moveaxis(t.log_abs_det_jacobian(u, values[n]), s.unit_axis, 0)
+            if block is not None:
+                # Nested plates are batch axes: a coordinate of an event is real
+                # exactly when its whole event is.
+                block = block.reshape((units, *shape))
+                block = block.reshape(block.shape[: ld.ndim] + (-1,)).all(-1)
+                ld = jnp.where(block, ld, 0.0)
             log_det = log_det + ld.reshape(units, -1).sum(-1)
         return values, log_det
+
+    def local_mask(self, nested: dict, units: int) -> jax.Array | None:
+        """``(units, n_L)`` booleans, False for the local coordinates at padded
+        entries of the ragged nested plates ``nested`` (plate name -> real size, as in
+        :attr:`~numpyro_fed.protocol.SiloData.nested`); ``None`` when no local site
+        lies in one of them."""
+        specs = self.local_specs.values()
+        if not any(plate in nested for s in specs for plate, _ in s.plates):
+            return None
+        blocks = []
+        for s in specs:
+            shape = list(s.unconstrained_shape)
+            shape[s.unit_axis] = units
+            keep = jnp.ones(shape, bool)
+            for plate, axis in s.plates:
+                if plate in nested:
+                    real = jnp.arange(shape[axis]) < nested[plate]
+                    keep = keep & real.reshape(real.shape + (1,) * (len(shape) - axis - 1))
+            blocks.append(jnp.moveaxis(keep, s.unit_axis, 0).reshape(units, -1))
+        return jnp.concatenate(blocks, axis=-1)
+
+    def restrict_local(self, eta_l: dict, mask: jax.Array | None) -> dict:
+        """``eta_l`` with the covariance factors between real and padded local
+        coordinates set to zero, so that the real coordinates' distribution is the
+        same whatever the padding (``mask`` from :meth:`local_mask`)."""
+        if mask is None:
+            return eta_l
+        eta_l = dict(eta_l)
+        if "tril" in eta_l:
+            eta_l["tril"] = eta_l["tril"] * (mask[:, :, None] & mask[:, None, :])
+        if "silo_tril" in eta_l:
+            flat = mask.reshape(-1)
+            eta_l["silo_tril"] = eta_l["silo_tril"] * (flat[:, None] & flat[None, :])
+        return eta_l
 
     # ------------------------------------------------------------ noise layout
     def global_noise(self, key: jax.Array) -> jax.Array:
@@ -332,24 +421,29 @@ class AutoStructured:
             eps = (unit_tril(eta_l["silo_tril"]) @ eps.reshape(-1)).reshape(eps.shape)
         return self._local_mean(eta_g, eta_l, z_g) + eta_l["scale"] * eps
 
-    def log_q_local(self, eta_g, eta_l, z_g, z_l) -> jax.Array:
+    def log_q_local(self, eta_g, eta_l, z_g, z_l, mask=None) -> jax.Array:
         """Per-unit :math:`\\log q(z_{L} \\mid z_G)`, shape ``(units,)``. With
         ``local_cov="silo"`` the units are not independent: the terms are the chain-rule
         factors :math:`\\log q(z_{L,u} \\mid z_{L,<u}, z_G)`, which sum to the joint, so
-        masking trailing (padded) units stays exact."""
+        masking trailing (padded) units stays exact. ``mask`` (:meth:`local_mask`)
+        leaves out padded coordinates of ragged nested plates; pass ``eta_l`` through
+        :meth:`restrict_local` first so that they do not condition the real ones."""
         mean = self._local_mean(eta_g, eta_l, z_g)
         if "silo_tril" in eta_l:
+            flat = None if mask is None else mask.reshape(-1)
             terms = _gaussian_log_density_terms(
                 z_l.reshape(-1),
                 mean.reshape(-1),
                 eta_l["scale"].reshape(-1),
                 eta_l["silo_tril"],
             )
+            if flat is not None:
+                terms = jnp.where(flat, terms, 0.0)
             return terms.reshape(z_l.shape).sum(-1)
         tril = eta_l.get("tril")
         if tril is None:
-            return gaussian_log_density(z_l, mean, eta_l["scale"], None)
-        return jax.vmap(gaussian_log_density)(z_l, mean, eta_l["scale"], tril)
+            return gaussian_log_density(z_l, mean, eta_l["scale"], None, mask)
+        return jax.vmap(gaussian_log_density)(z_l, mean, eta_l["scale"], tril, mask)
 
     # ------------------------------------------------------------ NumPyro guide
     def __call__(self, *args: Any, **kwargs: Any) -> dict:

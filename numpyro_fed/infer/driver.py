@@ -13,7 +13,6 @@ A subclass (``SFVI``, ``PVI``, ...) only says which factory to build
 from functools import partial
 import os
 from typing import Any, NamedTuple
-import warnings
 
 import jax
 from jax import lax
@@ -21,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import trange
 
-from numpyro_fed.checks import check_count, check_participating, check_state_layout
+from numpyro_fed.checks import check_count, check_federated_state, check_participating
+from numpyro_fed.guard import check_rejections
 from numpyro_fed.protocol import FederatedAlgorithm, jit_algorithm, silo_data_of
 from numpyro_fed.runtime import (
     event_round,
@@ -33,6 +33,7 @@ from numpyro_fed.runtime import (
 )
 from numpyro_fed.runtime.checkpoint import RunCheckpoints, concat_rounds
 from numpyro_fed.runtime.remote import Federation
+from numpyro_fed.runtime.simulate import contacted_silos
 from numpyro_fed.util import all_finite, take, tree_where
 
 __all__ = ["Driver", "FederatedState", "RunResult", "RUNTIMES"]
@@ -66,14 +67,16 @@ class RunResult(NamedTuple):
     history: dict
 
 
-def _check_options(runtime: str, participation: float, order: str, staleness: int):
+def _check_options(
+    runtime: str, participation: float, order: str, staleness: int
+) -> int:
     if runtime not in RUNTIMES:
         raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}.")
     if not 0 < participation <= 1:
         raise ValueError(f"participation must be in (0, 1], got {participation!r}.")
     if order not in ("cyclic", "random"):
         raise ValueError(f"order must be 'cyclic' or 'random', got {order!r}.")
-    check_count("max_staleness", staleness, minimum=0)
+    return check_count("max_staleness", staleness, minimum=0)
 
 
 class Driver:
@@ -91,6 +94,11 @@ class Driver:
         uniformly at random.
     :param str order: ``"cyclic"`` or ``"random"`` visiting order (events runtime).
     :param int max_staleness: largest staleness of a message (events runtime).
+    :param float max_rejected: :meth:`run` stops with
+        :class:`~numpyro_fed.infer.faults.SiloFailure` when a silo's replies were
+        rejected (not finite, or not valid) in more than this fraction of the rounds
+        it was contacted in; ``None`` never stops (every rejection is still named in
+        a warning).
     """
 
     description = "rounds"
@@ -106,13 +114,19 @@ class Driver:
         participation: float = 1.0,
         order: str = "cyclic",
         max_staleness: int = 0,
+        max_rejected: float | None = 0.25,
     ) -> None:
-        _check_options(runtime, participation, order, max_staleness)
+        max_staleness = _check_options(runtime, participation, order, max_staleness)
+        if max_rejected is not None and not 0 <= max_rejected <= 1:
+            raise ValueError(f"max_rejected must be in [0, 1], got {max_rejected!r}.")
         self.runtime = runtime
         self.participation = participation
         self.order = order
-        self.max_staleness = int(max_staleness)
+        self.max_staleness = max_staleness
+        self.max_rejected = max_rejected
         self._built: dict = {}
+        # Per layout: real sizes of the ragged nested plates (set by ``_setup``).
+        self._nested: dict = {}
 
     # ------------------------------------------------------------- subclass hooks
     def _make_algorithm(self, data: Any) -> FederatedAlgorithm:
@@ -124,8 +138,9 @@ class Driver:
 
     def _silo_data(self, data: Any) -> Any:
         """The silos' data as the round function takes it (default: the stacked
-        :class:`~numpyro_fed.protocol.SiloData`)."""
-        return silo_data_of(data)
+        :class:`~numpyro_fed.protocol.SiloData`, with the real sizes of the
+        ragged nested plates that ``_setup`` found)."""
+        return silo_data_of(data, self._nested.get(self._layout(data)))
 
     def _round_keys(self, rng_key: jax.Array, num_silos: int):
         """``(next_rng_key, server_key, silo_keys)`` of one round."""
@@ -142,6 +157,10 @@ class Driver:
         """What to keep of the state after each round, besides the server's info."""
         del state
         return {}
+
+    def _silo_labels(self) -> Any:
+        """How messages name silo j: ``labels[j]`` (``None``: ``"silo j"``)."""
+        return None
 
     def _check_info(self, state: FederatedState, info: Any) -> None:
         """Raise on an info that must stop the run (``state``: before the round)."""
@@ -183,11 +202,14 @@ class Driver:
         chain, for :mod:`numpyro_fed.runtime.flower` (or any transport over
         :mod:`numpyro_fed.runtime.remote`).
 
-        ``data`` only gives the layout (silo count, padded units, array shapes); in a
-        deployment it can be zeros of that layout. Each silo then draws its own keys,
-        so a deployed SFVI is ``reproducible=False``.
+        ``data`` gives the layout (silo count, padded units, array shapes) and, in its
+        silo 0, the one unit on which the server runs the model to size the global
+        sites (:func:`~numpyro_fed.densities.data_template`): in a deployment, values
+        valid for the model (zeros fail where data sit in a scale parameter). Each
+        silo then draws its own keys, so a deployed SFVI is ``reproducible=False``.
 
-        :param FederatedData data: the silos' data, or zeros of their layout.
+        :param FederatedData data: the silos' data, or valid stand-ins of their
+            layout.
         :rtype: ~numpyro_fed.runtime.remote.Federation
         """
         algorithm, _ = self._build(data)
@@ -212,25 +234,17 @@ class Driver:
     def _check(self, state: FederatedState, data: Any) -> None:
         """Raise unless ``state`` has the layout :meth:`init` gives on ``data``
         (built here, outside any trace: a fresh object may resume a state)."""
+
+        def expected(rng_key: jax.Array) -> Any:
+            self._build(data)
+            key = ("state", self._layout(data), rng_key.dtype, rng_key.shape)
+            if key not in self._built:
+                self._built[key] = jax.eval_shape(lambda k: self.init(k, data), rng_key)
+            return self._built[key]
+
         name = type(self).__name__
-        if not isinstance(state, FederatedState):
-            raise TypeError(
-                f"{name} needs the FederatedState of init or of a run "
-                f"(result.state); got {type(state).__name__}."
-            )
         fix = f"start from {name}.init(key, data) on these data"
-        held = {np.shape(x)[0] for x in jax.tree.leaves(state.silos) if np.ndim(x)}
-        if held and held != {data.num_silos}:
-            raise ValueError(
-                f"{name}: the state holds {min(held)} silos but the data hold "
-                f"{data.num_silos}; {fix}."
-            )
-        self._build(data)
-        key = ("state", self._layout(data), state.rng_key.dtype, state.rng_key.shape)
-        if key not in self._built:
-            init = lambda k: self.init(k, data)  # noqa: E731
-            self._built[key] = jax.eval_shape(init, state.rng_key)
-        check_state_layout(name, state, self._built[key], fix)
+        check_federated_state(name, state, data.num_silos, expected, fix)
 
     # ---------------------------------------------------------------- NumPyro API
     def init(
@@ -299,12 +313,14 @@ class Driver:
         """Like :meth:`update`, returning the server's info (for the events runtime,
         stacked along a leading event axis) instead of the loss."""
         self._check(state, data)
-        new_state, info = self._round(state, data, participating)
+        new_state, info, _ = self._round(state, data, participating)
         self._check_info(state, info)
         return new_state, info
 
     def _round(self, state: FederatedState, data: Any, participating: Any):
-        _, round_fn = self._build(data)
+        """``(state, info, contacted)``: the round, and the ``(J,)`` silos it
+        contacted."""
+        algorithm, round_fn = self._build(data)
         num_silos = data.num_silos
         if participating is None:
             participating = self._participants(state.rng_key, num_silos)
@@ -319,7 +335,14 @@ class Driver:
             silo_keys,
             participating,
         )
-        return FederatedState(server, silos, rng_key), info
+        contacted = None
+        if self.runtime != "events":  # (an events pass visits every silo once)
+            contacted = contacted_silos(
+                algorithm, state.server, server_key, num_silos, participating
+            )
+        if contacted is None:
+            contacted = jnp.ones((num_silos,), bool)
+        return FederatedState(server, silos, rng_key), info, contacted
 
     def update(
         self, state: FederatedState, data: Any, participating: jax.Array | None = None
@@ -455,8 +478,15 @@ class Driver:
         else:
             state, history = self._loop(step_fn, state, num_steps, progress_bar, saver)
         history = concat_rounds(past, history)
-        _warn_rejected(type(self).__name__, history)
-        return RunResult(self.get_params(state), state, history["loss"], history)
+        result = RunResult(self.get_params(state), state, history["loss"], history)
+        check_rejections(
+            type(self).__name__,
+            history,
+            self.max_rejected,
+            result,
+            labels=self._silo_labels(),
+        )
+        return result
 
     def _run_meta(self, data: Any, stable_update: bool) -> dict:
         """What a resumed run must share with the run that wrote the checkpoint."""
@@ -488,11 +518,12 @@ class Driver:
         runtime = self.runtime
 
         def step(state, participating=None):
-            new, info = self._round(state, data, participating)
+            new, info, contacted = self._round(state, data, participating)
             loss = _round_loss(info, runtime)
             if stable_update:
                 new = _keep_if_finite(new, state, loss)
             record = {**info._asdict(), **self._record(new), "loss": loss}
+            record["contacted"] = contacted
             return new, record
 
         # The sequential runtime is a Python loop over silos: never traced.
@@ -568,25 +599,6 @@ class _Info:
 
 def _round_loss(info: Any, runtime: str) -> jax.Array:
     return jnp.mean(info.loss) if runtime == "events" else info.loss
-
-
-def _warn_rejected(name: str, history: dict) -> None:
-    rejected = history.get("rejected")
-    if rejected is None:
-        return
-    rejected = np.asarray(rejected)
-    if not rejected.any():
-        return
-    per_silo = rejected.reshape(-1, rejected.shape[-1]).sum(0)
-    silos = np.flatnonzero(per_silo)
-    listed = ", ".join(f"silo {j} ({per_silo[j]}x)" for j in silos[:10])
-    more = f" and {len(silos) - 10} more" if len(silos) > 10 else ""
-    warnings.warn(
-        f"{name} rejected {int(per_silo.sum())} silo replies that were not finite "
-        f"or not valid: {listed}{more}. Their data were left out of those rounds; "
-        "see result.history['rejected'].",
-        stacklevel=3,
-    )
 
 
 def _stack(records: list) -> dict:

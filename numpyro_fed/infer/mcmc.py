@@ -53,13 +53,19 @@ class SGLDState(NamedTuple):
     - **step** - the global step counter :math:`t` (steps taken so far); it drives
       the annealed step size and the silo schedule.
     - **silo** - the silo :math:`c_r` holding the chain (the one the next step runs on).
-    - **rng_key** - the chain's key; step :math:`t` draws from ``fold_in(rng_key, t)``.
+    - **rng_key** - the chain's key (the server's): it draws the silo of each visit
+      (and, with ``reproducible=True``, the silos' minibatches and noise).
+    - **silo_keys** - ``(J,)`` keys, each silo's own: step :math:`t` on silo
+      :math:`s` draws its minibatch and noise from ``fold_in(silo_keys[s], t)``
+      (unused with ``reproducible=True``). The kernel simulates every party; in a
+      deployment each silo holds only its own key.
     """
 
     z: dict
     step: jax.Array
     silo: jax.Array
     rng_key: jax.Array
+    silo_keys: jax.Array
 
 
 class CommStats(NamedTuple):
@@ -144,18 +150,18 @@ def _sample(
     """One contact (one Langevin step) of the chain in ``state``."""
     z_global, z_local = pot.split(state.z)
     server = FSGLDServerState(z_global, state.step, state.silo, state.rng_key)
-    # The chain's draws come from its own key (the reproducible mode), so the
-    # runtime's keys are placeholders.
+    # The server's steps ignore their key (the chain key is in its state); the
+    # contacted silo gets its own key, and fold_in(key, t) makes it fresh every step.
     server, silos, _ = contact_round(
         algorithm,
         server,
         FSGLDSiloState(z_local),
         silo_data_of(data),
         state.rng_key,
-        state.rng_key,
+        state.silo_keys[state.silo],
     )
     z = {**server.z_global, **silos.z_local}
-    return SGLDState(z, server.step, server.silo, server.rng_key)
+    return SGLDState(z, server.step, server.silo, server.rng_key, state.silo_keys)
 
 
 class FSGLD(MCMCKernel):
@@ -179,6 +185,12 @@ class FSGLD(MCMCKernel):
     :param int batch_size: minibatch size ``m`` per silo (default: the whole silo).
     :param bool replace: draw minibatches with replacement (the authors' code).
     :param callable init_strategy: NumPyro init strategy for the initial position.
+    :param bool reproducible: the chain's key travels with the chain and every silo
+        draws its minibatch and noise from it, so the server can replay them (and,
+        with ``batch_size=1``, recover a silo's data row from one step; see
+        ``docs/privacy.md``). Default ``False``: each silo draws from a key of its
+        own (:class:`SGLDState`'s ``silo_keys``). Both modes give the same chain
+        law; only the draws differ.
 
     **Example:**
 
@@ -217,6 +229,7 @@ class FSGLD(MCMCKernel):
         *,
         replace: bool = True,
         init_strategy: Callable = init_to_uniform,
+        reproducible: bool = False,
     ) -> None:
         self._model = model
         self._step_size = _check_step_size(step_size)
@@ -241,6 +254,7 @@ class FSGLD(MCMCKernel):
         self._batch_size = batch_size
         self._replace = bool(replace)
         self._init_strategy = init_strategy
+        self._reproducible = bool(reproducible)
         self._built: dict = {}
         self._sample_fn = None
 
@@ -319,6 +333,7 @@ class FSGLD(MCMCKernel):
             self._init_strategy,
             steps_per_contact=steps_per_contact,
             reject_nonfinite=reject_nonfinite,
+            reproducible=self._reproducible,
         )
 
     # -------------------------------------------------------------- NumPyro API
@@ -347,12 +362,15 @@ class FSGLD(MCMCKernel):
         pot, cfg = self._setup(data)
 
         def one(key, z=None):
-            init_key, chain_key = jax.random.split(key)
+            # split(key, 3)[:2] == split(key): the start and the chain key do not
+            # depend on the mode.
+            init_key, chain_key, silo_key = jax.random.split(key, 3)
             if z is None:
                 z = pot.init_position(init_key, data, self._init_strategy)
             z = jax.tree.map(jnp.asarray, z)
             server = init_chain(cfg, pot.split(z)[0], chain_key)
-            return SGLDState(z, server.step, server.silo, server.rng_key)
+            silo_keys = jax.random.split(silo_key, data.num_silos)
+            return SGLDState(z, server.step, server.silo, server.rng_key, silo_keys)
 
         if is_prng_key(rng_key):
             state = one(rng_key, init_params)
@@ -365,8 +383,10 @@ class FSGLD(MCMCKernel):
         self._sample_fn = self._step  # MCMC calls init while this is None
         return state
 
-    def _check_position(self, z: dict, data: Any) -> FederatedPotential:
-        """Raise unless ``z`` is a position on ``data``'s layout; return the
+    def _check_position(
+        self, z: dict, data: Any, silo_keys: Any = None
+    ) -> FederatedPotential:
+        """Raise unless ``z`` (and ``silo_keys``) fit ``data``'s layout; return the
         potential there."""
         pot = self.potential(data)
         shapes = {s.name: s.shape for s in pot.global_sites}
@@ -375,11 +395,16 @@ class FSGLD(MCMCKernel):
         fix = "start the chain on these data (init, or a new MCMC run)"
         name = type(self).__name__
         check_state_layout(name, z, expected, fix, dtypes=False, root="state.z")
+        if silo_keys is not None and jnp.shape(silo_keys)[0] != data.num_silos:
+            raise ValueError(
+                f"{name}: state.silo_keys holds {jnp.shape(silo_keys)[0]} silos' keys "
+                f"but the data hold {data.num_silos} silos; {fix}."
+            )
         return pot
 
     def _step(self, state: SGLDState, data: Any) -> SGLDState:
         """One chain's step on ``data``, whose layout the chain must have."""
-        pot = self._check_position(state.z, data)
+        pot = self._check_position(state.z, data, state.silo_keys)
         key = ("kernel",) + self._layout(data)
         if key not in self._built:
             # NaNs of a diverging chain show in its samples, as with NumPyro's kernels.
@@ -435,8 +460,10 @@ class FSGLD(MCMCKernel):
         """
         Run the chain as messages between a server and the silos under the sequential
         runtime (:func:`~numpyro_fed.runtime.sequential_round`): each round the server
-        sends the chain (global position, step counter, key) to the silo it selected,
-        which returns its ``tau``-step trajectory. Starting from the same ``rng_key``
+        sends the chain (global position and step counter; the chain's key too with
+        ``reproducible=True``) to the silo it selected, which returns its
+        ``tau``-step trajectory (drawn from the silo's own key, the kernel's
+        ``silo_keys``). Starting from the same ``rng_key``
         it reproduces ``MCMC(kernel, num_warmup=0, num_samples=num_rounds * tau)
         .run(rng_key, data)`` draw for draw on the global sites. Bytes are read off
         the messages' shapes (:func:`~numpyro_fed.runtime.round_bytes`).
@@ -455,9 +482,9 @@ class FSGLD(MCMCKernel):
         server = FSGLDServerState(z_global, first.step, first.silo, first.rng_key)
         silos = FSGLDSiloState(z_local)
         silo_data = silo_data_of(data)
-        # Placeholders: the chain's draws come from its own key.
-        server_key = first.rng_key
-        silo_keys = jax.random.split(server_key, data.num_silos)
+        # The server's steps ignore their key; each silo draws from its own key
+        # folded with the step counter, so one key per silo serves every round.
+        server_key, silo_keys = first.rng_key, first.silo_keys
         sizes = round_bytes(algorithm, server, silos, silo_data, server_key, silo_keys)
         trajectories = []
         for _ in range(num_rounds):
@@ -496,6 +523,8 @@ class DSGLD(FSGLD):
     :param int batch_size: minibatch size per silo (default: the whole silo).
     :param bool replace: draw minibatches with replacement.
     :param callable init_strategy: NumPyro init strategy.
+    :param bool reproducible: as in :class:`FSGLD` (default ``False``: each silo
+        draws from its own key).
 
     **Example:**
 
@@ -519,6 +548,7 @@ class DSGLD(FSGLD):
         *,
         replace: bool = True,
         init_strategy: Callable = init_to_uniform,
+        reproducible: bool = False,
     ) -> None:
         super().__init__(
             model,
@@ -530,4 +560,5 @@ class DSGLD(FSGLD):
             batch_size,
             replace=replace,
             init_strategy=init_strategy,
+            reproducible=reproducible,
         )

@@ -27,6 +27,7 @@ from numpyro_fed.families.structured import AutoMeanField, AutoStructured
 from numpyro_fed.infer.driver import Driver, FederatedState, RunResult
 from numpyro_fed.infer.posterior import sample_structured
 from numpyro_fed.infer.vi import check_optimizer, local_params
+from numpyro_fed.partition import nested_sizes
 from numpyro_fed.util import constrain
 
 __all__ = ["FedGVI", "InvalidCavity", "PVI", "PVIParams"]
@@ -116,6 +117,8 @@ class PVI(Driver):
         up to ``max_staleness`` updates old: ``"events"`` with staleness).
     :param str runtime: run the schedule's rounds on another runtime instead, e.g.
         ``"sequential"`` (synchronous rounds, one silo at a time in Python).
+    :param float max_rejected: stop when a silo's replies were rejected in more than
+        this fraction of its rounds (see :class:`~numpyro_fed.infer.driver.Driver`).
     :param float participation: fraction of silos that take part in a round.
     :param int num_particles: Monte Carlo draws per local step.
     :param bool analytic_kl: closed-form KL to the cavity (lower variance).
@@ -187,6 +190,7 @@ class PVI(Driver):
         order: str = "cyclic",
         init: str = "prior",
         runtime: str | None = None,
+        max_rejected: float | None = 0.25,
     ) -> None:
         if schedule not in _SCHEDULES:
             raise ValueError(
@@ -211,6 +215,7 @@ class PVI(Driver):
             participation=participation,
             order=order,
             max_staleness=max_staleness if schedule == "asynchronous" else 0,
+            max_rejected=max_rejected,
         )
         self.model = model
         self.guide = _resolve_guide(model, guide)
@@ -235,6 +240,8 @@ class PVI(Driver):
     # ------------------------------------------------------------ driver hooks
     def _setup(self, data: Any) -> None:
         roles = self.guide.setup(data)
+        self.guide.check_model(self.model, data)
+        self._nested[self._layout(data)] = nested_sizes(self.model, data, roles)
         if not roles.global_sites:
             raise ValueError(
                 "PVI approximates the posterior of global latent sites, and this model "
@@ -248,12 +255,20 @@ class PVI(Driver):
             )
         template = data_template(data.silo(0))
         theta0 = {k: jnp.asarray(v) for k, (v, _) in self.guide.param_specs.items()}
-        self._priors[self._layout(data)] = gaussian_prior(
-            self.model,
-            list(self.guide.global_specs),
-            template,
-            theta0,
-            self.guide.global_cov == "full",
+        # A global numpyro.factor is a prior term that no site's distribution shows:
+        # the prior is then not read off the sites but refined like a non-Gaussian one.
+        self._priors[self._layout(data)] = (
+            None
+            if roles.factor_sites
+            else (
+                gaussian_prior(
+                    self.model,
+                    list(self.guide.global_specs),
+                    template,
+                    theta0,
+                    self.guide.global_cov == "full",
+                )
+            )
         )
 
     def _options(self, data: Any) -> dict:

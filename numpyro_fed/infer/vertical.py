@@ -28,6 +28,7 @@ from numpyro_fed.checks import check_count, check_state_layout
 from numpyro_fed.infer.driver import Driver, FederatedState, RunResult
 from numpyro_fed.protocol import SiloData, jit_algorithm
 from numpyro_fed.runtime.groups import group_round, stack_groups, unstack_groups
+from numpyro_fed.util import tree_where
 from numpyro_fed.vertical.augment import AugmentedModel, VerticalModelError
 from numpyro_fed.vertical.data import VerticalData
 from numpyro_fed.vertical.families import VerticalFamily
@@ -123,6 +124,9 @@ class VerticalSFVI(Driver):
         same values at a random probe point) as one vmapped call; the others, and
         every party under ``vmap_parties=False``, one after another in the round.
         The two paths agree to rounding error.
+    :param float max_rejected: stop when a party's replies were rejected in more
+        than this fraction of the rounds (see
+        :class:`~numpyro_fed.infer.driver.Driver`).
 
     **Example:**
 
@@ -161,6 +165,7 @@ class VerticalSFVI(Driver):
         record_messages: bool = False,
         local_steps: int = 1,
         vmap_parties: bool = True,
+        max_rejected: float | None = 0.25,
     ) -> None:
         if not isinstance(model, AugmentedModel):
             raise TypeError(
@@ -183,7 +188,7 @@ class VerticalSFVI(Driver):
                 f"optimizer; got {type(optim).__name__}."
             )
         local_steps = _check_local_steps(local_steps)
-        super().__init__(runtime=runtime)
+        super().__init__(runtime=runtime, max_rejected=max_rejected)
         self.model = model
         self.family = family
         self.optim = optim
@@ -306,6 +311,7 @@ class VerticalSFVI(Driver):
 
         def round_fn(server, silos, data, server_key, silo_keys, participating):
             keys = tuple(silo_keys[np.asarray(g)] for g in groups)
+            before = (server, silos)
             infos = []
             for phase in range(phases):
                 # a constant (not traced) phase: each call compiles its branch only
@@ -321,7 +327,12 @@ class VerticalSFVI(Driver):
                     participating,
                 )
                 infos.append(info)
-            return server, silos, infos[phases - 2]  # the phase with the loss
+            # A party's rejected reply in any phase voids the whole iteration, so no
+            # party steps on gradients computed from another's non-finite values.
+            rejected = jnp.any(jnp.stack([i.rejected for i in infos]), axis=0)
+            server, silos = tree_where(~jnp.any(rejected), (server, silos), before)
+            info = infos[phases - 2]  # the phase with the loss
+            return server, silos, info._replace(rejected=rejected)
 
         return jax.jit(round_fn) if self.runtime == "simulate" else round_fn
 
@@ -366,8 +377,7 @@ class VerticalSFVI(Driver):
         return party, {}, {}
 
     def _party_data(self, data: VerticalData, party: str, own: Any = 0) -> SiloData:
-        """``party``'s data under its group's names (``own``: its own names)."""
-        lead, _, arrays = (party, {}, {}) if own else self._renames(party)
+        lead, _, arrays = (party, {}, {}) if own else self._renames(party)  # own names
         n = data.num_rows
         view = rename(data.view(party), arrays)
         return SiloData({lead: view}, jnp.ones((n,), bool), jnp.arange(n))
@@ -550,6 +560,9 @@ class VerticalSFVI(Driver):
         with row_errors():
             result = super().run(rng_key, num_steps, data, **kwargs)
             return jax.block_until_ready(result)
+
+    def _silo_labels(self) -> list:
+        return [f"party {p!r}" for p in self.structure.parties]
 
     def get_params(self, state: FederatedState) -> VerticalParams:
         """The constrained parameters of ``state``, by owner."""

@@ -4,6 +4,7 @@
 :func:`~numpyro_fed.algorithms.sfvi.sfvi` and
 :func:`~numpyro_fed.algorithms.sfvi_avg.sfvi_avg`."""
 
+import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -19,9 +20,14 @@ from numpyro_fed.algorithms.sfvi_avg import (
 from numpyro_fed.checks import check_count
 from numpyro_fed.densities import data_template
 from numpyro_fed.elbo import noise_keys
-from numpyro_fed.families.structured import GLOBAL_PREFIX, LOCAL_PREFIX
+from numpyro_fed.families.structured import (
+    GLOBAL_PREFIX,
+    LOCAL_PREFIX,
+    AutoStructured,
+)
 from numpyro_fed.infer.driver import Driver, FederatedState
 from numpyro_fed.infer.posterior import sample_structured
+from numpyro_fed.partition import nested_sizes
 from numpyro_fed.util import constrain, unconstrain
 
 __all__ = ["SFVI", "SFVIAvg", "SFVIParams"]
@@ -48,6 +54,24 @@ def check_optimizer(name: str, optim: Any) -> None:
             f"{name} must be an optax.GradientTransformation such as optax.adam(1e-2);"
             f" got {type(optim).__name__}."
         )
+    # A NaN or negative learning rate runs, and returns NaNs or parameters that
+    # never move: one step on a unit gradient shows it before any work.
+    x = jnp.ones((1,))
+    try:
+        update = optim.update(x, optim.init(x), x)[0]
+    except Exception:  # an optimizer that needs more than (grads, state, params)
+        return
+    update = float(jnp.ravel(update)[0])
+    if not math.isfinite(update):
+        raise ValueError(
+            f"{name} gives a non-finite update ({update}) for a unit gradient: is its "
+            "learning rate NaN or infinite?"
+        )
+    if update > 0:
+        raise ValueError(
+            f"{name} steps up a unit gradient (update {update:+.3g}): optax "
+            "minimizes, so its learning rate must be positive."
+        )
 
 
 def local_params(constraints: dict, silos: Any) -> dict:
@@ -56,14 +80,24 @@ def local_params(constraints: dict, silos: Any) -> dict:
     return {} if silos is None else constrain(constraints, silos.eta_local)
 
 
+def check_guide(guide: Any) -> None:
+    """Raise unless ``guide`` is a structured federated guide."""
+    if not isinstance(guide, AutoStructured):
+        raise TypeError(
+            "guide must be a federated guide that splits into global and per-silo "
+            f"parts; got {type(guide).__name__}. Use nf.AutoStructured(model) (or "
+            "nf.AutoMeanField(model), the federated AutoNormal)."
+        )
+
+
 class SFVI(Driver):
     """
     Structured federated VI (Hassan et al., Algorithm 1) with NumPyro's SVI API.
 
     One round costs one silo step per silo (all vmapped and jitted together) and one
     server step. With an elementwise optimizer the run equals centralized NumPyro
-    ``SVI`` with the same guide; with ``reproducible=True`` (the default in
-    simulation) it does so draw for draw, whatever the partition of units into silos.
+    ``SVI`` with the same guide in law; with ``reproducible=True`` it does so draw for
+    draw, whatever the partition of units into silos.
 
     :param callable model: a federated model (:func:`~numpyro_fed.federate` or
         :class:`~numpyro_fed.silo_plate`); bind non-split arguments with
@@ -73,11 +107,15 @@ class SFVI(Driver):
     :param int num_particles: Monte Carlo draws per round.
     :param bool stl: sticking-the-landing gradients (``False``: NumPyro's
         ``Trace_ELBO`` gradients).
-    :param bool reproducible: silos derive their local noise from the round key and
-        their units' pooled indices, so any partition gives the same draws as
-        centralized SVI. ``False``: each silo draws from a key of its own.
-    :param runtime_options: ``runtime``, ``participation``, ``order`` and
-        ``max_staleness``, as for every algorithm (:class:`~numpyro_fed.infer.driver.Driver`);
+    :param bool reproducible: silos derive their local noise from the server's round
+        key (the one :math:`\\epsilon_G` comes from) and their units' pooled indices,
+        so any partition gives the same draws as centralized SVI; the server can then
+        replay every silo's noise. Default ``False``: each silo draws from a key of
+        its own, split from the run's key apart from the server's (a deployed silo
+        draws from its own root key whatever this setting; see
+        ``docs/privacy.md``).
+    :param runtime_options: ``runtime``, ``participation``, ``order``,
+        ``max_staleness`` and ``max_rejected``, as for every algorithm (:class:`~numpyro_fed.infer.driver.Driver`);
         with partial participation the server rescales what it gets.
 
     **Example:**
@@ -107,10 +145,11 @@ class SFVI(Driver):
         *,
         num_particles: int = 1,
         stl: bool = True,
-        reproducible: bool = True,
+        reproducible: bool = False,
         **runtime_options: Any,
     ) -> None:
         check_optimizer("optim", optim)
+        check_guide(guide)
         num_particles = check_count("num_particles", num_particles)
         super().__init__(**runtime_options)
         self.model = model
@@ -121,7 +160,9 @@ class SFVI(Driver):
         self.reproducible = reproducible
 
     def _setup(self, data: Any) -> None:
-        self.guide.setup(data)
+        roles = self.guide.setup(data)
+        self.guide.check_model(self.model, data)
+        self._nested[self._layout(data)] = nested_sizes(self.model, data, roles)
 
     def _make_algorithm(self, data: Any):
         return sfvi(
@@ -141,15 +182,14 @@ class SFVI(Driver):
         return rng_key, noise_keys(step_key, self.num_particles)
 
     def _round_keys(self, rng_key: jax.Array, num_silos: int):
-        rng_key, keys = self._noise_keys(rng_key)
         if self.reproducible:
-            silo_keys = jnp.broadcast_to(keys, (num_silos,) + keys.shape)
-        else:
-            flat = keys.reshape(-1)
-            silo_keys = jax.vmap(
-                lambda j: jax.vmap(jax.random.fold_in, (0, None))(flat, j)
-            )(jnp.arange(num_silos)).reshape((num_silos,) + keys.shape)
-        return rng_key, keys, silo_keys
+            rng_key, keys = self._noise_keys(rng_key)
+            return rng_key, keys, jnp.broadcast_to(keys, (num_silos,) + keys.shape)
+        # The silos' keys come from a branch the server's keys never touch: nothing
+        # the server holds (its keys, the messages) replays a silo's noise.
+        rng_key, own = jax.random.split(rng_key)
+        rng_key, keys = self._noise_keys(rng_key)
+        return rng_key, keys, jax.random.split(own, (num_silos,) + keys.shape)
 
     def _unconstrained(self, params: SFVIParams) -> tuple[dict, dict, dict]:
         """``(theta, eta_global, eta_local)`` of ``params`` in unconstrained space
@@ -228,6 +268,8 @@ class SFVIAvg(SFVI):
 
     With one silo and the optimizer state carried over, ``R`` rounds of ``m`` steps
     are ``R m`` steps of centralized VI (draw for draw with ``reproducible=True``).
+    Each reply is the silo's copy of :math:`(\\theta, \\eta_G)` and its unit count
+    :math:`N_j` (``docs/privacy.md``).
 
     :param int local_steps: :math:`m`, local steps per round.
     :param bool scale_local_entropy: scale the local entropy by :math:`N/N_j` too

@@ -16,7 +16,7 @@ This is the only module that imports ``flwr``: install it with
 **Example** (an app module that ``flwr run`` or :func:`flwr.simulation.run_simulation`
 loads on the server and on every node)::
 
-    fit = nf.SFVI(model, guide, optax.adam(1e-2), reproducible=False)
+    fit = nf.SFVI(model, guide, optax.adam(1e-2))
     layout = ...  # a FederatedData with the silos' common layout (no real data)
 
     def federation(context):
@@ -51,6 +51,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
     ) from error
 
 from numpyro_fed.checks import check_count
+from numpyro_fed.guard import check_rejections
 from numpyro_fed.runtime.checkpoint import (
     CheckpointError,
     checkpoint_meta,
@@ -110,6 +111,7 @@ def serve(
     checkpoint_every: int | None = None,
     checkpoint_dir: str | None = None,
     resume: bool = False,
+    max_rejected: float | None = 0.25,
 ) -> FlowerRun:
     """
     The server loop on a Flower ``Grid``: ``num_rounds`` rounds of
@@ -136,6 +138,9 @@ def serve(
     :param str checkpoint_dir: the server's checkpoint directory.
     :param bool resume: continue from the newest checkpoint in ``checkpoint_dir``
         up to ``num_rounds`` rounds in all (``infos`` then holds the rounds run now).
+    :param float max_rejected: raise :class:`~numpyro_fed.guard.SiloFailure` (with
+        the run in its ``result``) at the end when a silo's replies were rejected in
+        more than this fraction of the rounds it was contacted in (``None``: never).
     :return: :class:`FlowerRun`.
     :raises TemplateMismatch: a reply that does not match the reply template (names
         the silo, its node and the field; nothing of that round is applied).
@@ -159,7 +164,7 @@ def serve(
             checkpoint_dir, {"server": state, "rng_key": key}, expect_meta=meta
         )
         state, key = saved["server"], saved["rng_key"]
-    infos = []
+    infos, contacted = [], []
     for t in range(start, num_rounds):
         nodes = _find_silos(grid, name, num_silos, 0.0, nodes)
         available = np.zeros(num_silos, bool)
@@ -175,12 +180,21 @@ def serve(
             ) from None
         _warn_rejected(t, np.asarray(info.rejected), nodes)
         infos.append(info)
+        contacted.append(np.isin(np.arange(num_silos), list(flat)))
         if every is not None and (t + 1) % every == 0:
             state_and_key = {"server": state, "rng_key": key}
             save_checkpoint(checkpoint_dir, state_and_key, step=t + 1, meta=meta)
         if on_round is not None:
             on_round(t, info)
-    return FlowerRun(state, infos, dict(nodes))
+    run = FlowerRun(state, infos, dict(nodes))
+    if infos:
+        history = {
+            "rejected": np.stack([np.asarray(i.rejected) for i in infos]),
+            "contacted": np.stack(contacted),
+        }
+        labels = [f"silo {j} (node {nodes.get(j)})" for j in range(num_silos)]
+        check_rejections(name, history, max_rejected, run, warn=False, labels=labels)
+    return run
 
 
 def _check_checkpointing(every: int | None, directory: Any, resume: bool):

@@ -2,8 +2,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """The same checks for every algorithm factory (STYLE.md rule 14): jitted equals
 eager, a vmap over silos equals a loop, round 2 compiles nothing, float64 survives,
-no message leaf is shaped like a silo's units, a non-finite reply is rejected while
-the run goes on, and the generic runtimes run it with no algorithm named.
+no message leaf is shaped like a silo's units (nor flagged by ``nf.audit``), a
+non-finite reply is rejected while the run goes on, and the generic runtimes run it
+with no algorithm named.
 
 Each case builds an algorithm from a factory and the states and keys of one round;
 adding an algorithm means adding one case."""
@@ -230,6 +231,24 @@ def test_no_message_leaf_has_a_unit_axis(prepared):
     assert sizes.down > 0 and sizes.reply > 0
 
 
+def test_audit_flags_no_leaf(prepared):
+    """``nf.audit`` on every algorithm: each direction carries something, no leaf
+    grows with a silo's units, and its bytes are the accounting's."""
+    case = prepared.case
+    report = nf.audit(
+        case.algorithm,
+        case.data,
+        server_key=case.server_key,
+        silo_key=case.silo_keys[0],
+    )
+    assert report.flagged == (), str(report)
+    assert report.small_silos == ()  # every silo holds 4 or 5 units
+    server, silos, silo_data, server_key, silo_keys = prepared.args
+    sizes = round_bytes(case.algorithm, server, silos, silo_data, server_key, silo_keys)
+    assert report.bytes("server -> silo") == sizes.down > 0
+    assert report.bytes("silo -> server") == sizes.reply > 0
+
+
 def test_non_finite_reply_is_rejected_and_the_run_goes_on(prepared):
     """Silo j's data turn non-finite (j = 1, or the one silo the server contacts):
     its reply is rejected and counted, the server state and the other silos stay
@@ -247,6 +266,21 @@ def test_non_finite_reply_is_rejected_and_the_run_goes_on(prepared):
     assert bool(all_finite(new_server))
     for j in np.flatnonzero(~expected):
         assert bool(all_finite(take(new_silos, j)))
+
+
+def test_rejected_reply_counts_as_a_silo_that_did_not_take_part(prepared):
+    """The non-finite guard's promise, exactly: a round in which silo j's reply is
+    rejected ends in the same states, bit for bit, as the round in which silo j was
+    not contacted (its data poisoned or not)."""
+    server, silos, silo_data, server_key, silo_keys = prepared.args
+    algorithm, num_silos = prepared.case.algorithm, prepared.case.data.num_silos
+    contacted = np.asarray(algorithm.select(server, server_key, num_silos))
+    bad_silo = 1 if contacted.all() else int(np.argmax(contacted))
+    bad = prepared.case.poison(silo_data, bad_silo)
+    absent = jnp.arange(num_silos) != bad_silo
+    poisoned = prepared.round_fn(server, silos, bad, server_key, silo_keys)
+    without = prepared.round_fn(server, silos, silo_data, server_key, silo_keys, absent)
+    m.tree_allclose(poisoned[:2], without[:2], rtol=1e-13, atol=1e-15)
 
 
 def test_events_runtime_runs_it(prepared):

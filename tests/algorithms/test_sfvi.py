@@ -10,7 +10,6 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 from numpyro.distributions import biject_to, constraints
-from numpyro.infer import SVI, Trace_ELBO
 from numpyro.infer.util import log_density
 import optax
 import pytest
@@ -179,18 +178,6 @@ def test_gradient_equals_pooled(name, stl, num_silos=3):
         )
 
 
-def _numpyro_svi_losses(fed, guide, svi, data, num_steps, optim):
-    """Centralized NumPyro SVI started from SFVI's initial parameters and key."""
-    state = svi.init(jax.random.key(0), data)
-    init = svi.pooled_params(svi.get_params(state), data)
-    ref = SVI(fed, guide, optim, Trace_ELBO())
-    ref_state = ref.init(jax.random.key(1), init_params=init, **data.pooled())
-    result = ref.run(
-        None, num_steps, progress_bar=False, init_state=ref_state, **data.pooled()
-    )
-    return state._replace(rng_key=ref_state.rng_key), result
-
-
 @pytest.mark.parametrize(
     "name, num_silos",
     [
@@ -207,8 +194,8 @@ def test_matches_numpyro_svi_step_for_step(name, num_silos):
     one silo per unit."""
     units = next(iter(MODELS[name][2]().values())).shape[0]
     num_silos = units if num_silos == "units" else num_silos
-    fed, guide, svi, data = _setup(name, num_silos, stl=False)
-    state, ref = _numpyro_svi_losses(fed, guide, svi, data, 25, optax.adam(0.05))
+    fed, guide, svi, data = _setup(name, num_silos, stl=False, reproducible=True)
+    state, ref = m.numpyro_svi_reference(fed, guide, svi, data, 25, optax.adam(0.05))
     result = svi.run(None, 25, data, init_state=state, progress_bar=False)
     np.testing.assert_allclose(result.losses, ref.losses, rtol=1e-9)
     ours = svi.pooled_params(result.params, data)
@@ -225,12 +212,16 @@ def test_matches_numpyro_svi_step_for_step(name, num_silos):
 def test_partition_invariance(guide_kwargs):
     """T3: with per-unit local factors and per-unit noise, J = 1, 3 and one silo per
     unit give the same STL trajectory up to summation order."""
-    _, _, base_svi, base_data = _setup("hierarchical", 1, guide_kwargs)
+    _, _, base_svi, base_data = _setup(
+        "hierarchical", 1, guide_kwargs, reproducible=True
+    )
     base_state = base_svi.init(jax.random.key(0), base_data)
     start = base_svi.get_params(base_state)
     base = base_svi.run(None, 30, base_data, init_state=base_state, progress_bar=False)
     for num_silos in (3, 7):
-        _, _, svi, data = _setup("hierarchical", num_silos, guide_kwargs)
+        _, _, svi, data = _setup(
+            "hierarchical", num_silos, guide_kwargs, reproducible=True
+        )
         init = _repartition(start, base_data, data)
         state = svi.init(jax.random.key(0), data, init_params=init)
         result = svi.run(None, 30, data, init_state=state, progress_bar=False)
@@ -445,9 +436,9 @@ def test_silo_wide_local_covariance_breaks_partition_invariance():
     starts at the identity), so round 0 agrees; after one step J = 1 has learned
     cross-unit correlations that J = 3 cannot represent."""
     guide_kwargs = dict(global_cov="full", coupling=True, local_cov="silo")
-    _, _, svi_1, data_1 = _setup("hierarchical", 1, guide_kwargs)
+    _, _, svi_1, data_1 = _setup("hierarchical", 1, guide_kwargs, reproducible=True)
     state_1 = svi_1.init(jax.random.key(0), data_1)
-    _, _, svi_3, data_3 = _setup("hierarchical", 3, guide_kwargs)
+    _, _, svi_3, data_3 = _setup("hierarchical", 3, guide_kwargs, reproducible=True)
     start = _repartition_silo(svi_1.get_params(state_1), data_1, data_3)
     state_3 = svi_3.init(jax.random.key(0), data_3, init_params=start)
     state_3 = state_3._replace(rng_key=state_1.rng_key)
@@ -474,7 +465,8 @@ def test_silo_wide_guide_is_a_numpyro_guide():
         1,
         dict(global_cov="full", coupling=True, local_cov="silo"),
         stl=False,
+        reproducible=True,
     )
-    state, ref = _numpyro_svi_losses(fed, guide, svi, data, 10, optax.adam(0.05))
+    state, ref = m.numpyro_svi_reference(fed, guide, svi, data, 10, optax.adam(0.05))
     result = svi.run(None, 10, data, init_state=state, progress_bar=False)
     np.testing.assert_allclose(result.losses, ref.losses, rtol=1e-9)

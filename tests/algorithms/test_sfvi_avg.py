@@ -23,7 +23,9 @@ def test_one_silo_rounds_equal_centralized_steps():
     fed = nf.federate(m.hierarchical, silos="group")
     data = nf.FederatedData.from_groups(np.zeros(7, int), **m.hierarchical_data())
     guide = nf.AutoStructured(fed, local_cov="full")
-    avg = nf.SFVIAvg(fed, guide, optax.adam(0.05), local_steps=4, stl=False)
+    avg = nf.SFVIAvg(
+        fed, guide, optax.adam(0.05), local_steps=4, stl=False, reproducible=True
+    )
     state = avg.init(jax.random.key(0), data)
     ref = SVI(fed, guide, optax.adam(0.05), Trace_ELBO())
     init = avg.pooled_params(avg.get_params(state), data)
@@ -53,8 +55,9 @@ def test_scaled_surrogate_gradient_equals_pooled_gradient():
     data = nf.FederatedData.from_groups(groups, **copies)
     fed = nf.federate(m.logistic, silos="data")
     sgd = optax.sgd(1.0)
-    avg = nf.SFVIAvg(fed, nf.AutoStructured(fed), sgd, local_steps=1)
-    sfvi = nf.SFVI(fed, nf.AutoStructured(fed), sgd)
+    # the silos draw the server's noise: the same draws as the pooled round
+    avg = nf.SFVIAvg(fed, nf.AutoStructured(fed), sgd, local_steps=1, reproducible=True)
+    sfvi = nf.SFVI(fed, nf.AutoStructured(fed), sgd, reproducible=True)
     state = sfvi.init(jax.random.key(0), data)
     avg_state = avg.init(jax.random.key(0), data, init_params=sfvi.get_params(state))
     stepped, _ = sfvi.update(state, data)
@@ -122,8 +125,10 @@ def _one_round(lr, num_silos=4):
     arrays = m.logistic_data(num_rows=40)
     data = nf.FederatedData.from_groups(np.arange(40) % num_silos, **arrays)
     fed = nf.federate(m.logistic, silos="data")
-    sfvi = nf.SFVI(fed, nf.AutoMeanField(fed), optax.sgd(lr))
-    avg = nf.SFVIAvg(fed, nf.AutoMeanField(fed), optax.sgd(lr), local_steps=1)
+    sfvi = nf.SFVI(fed, nf.AutoMeanField(fed), optax.sgd(lr), reproducible=True)
+    avg = nf.SFVIAvg(
+        fed, nf.AutoMeanField(fed), optax.sgd(lr), local_steps=1, reproducible=True
+    )
     state = sfvi.init(jax.random.key(0), data)
     avg_state = avg.init(jax.random.key(0), data, init_params=sfvi.get_params(state))
     one, _ = sfvi.update(state, data)

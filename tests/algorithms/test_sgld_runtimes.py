@@ -1,8 +1,9 @@
 # Copyright Contributors to the numpyro-fed project.
 # SPDX-License-Identifier: Apache-2.0
 """FSGLD / DSGLD on the contract: the factories run under the generic runtimes (no
-algorithm named in them) and give the MCMC kernels' chains draw for draw, and a
-non-finite reply is dropped while the chain goes on."""
+algorithm named in them) and give the MCMC kernels' chains draw for draw when the
+runtimes pass the kernel's silo keys (each silo draws from its own key, folded with
+the step counter), and a non-finite reply is dropped while the chain goes on."""
 
 from functools import partial
 
@@ -57,6 +58,22 @@ def kernel_chain(kernel, key, data, server, silos, num_samples):
     return np.asarray(mcmc.get_samples()["mu"]), mcmc.last_state
 
 
+def test_the_silos_draw_from_their_own_keys(hierarchical):
+    """Other silo keys give another chain (same start, same silo schedule)."""
+    fed, data, q = hierarchical
+    algorithm = kernel_of("dsgld", fed, q).algorithm(data)
+    server, silos = factory_start(algorithm, jax.random.key(0), data)
+    silo_data = silo_data_of(data)
+    ends = []
+    for seed in (1, 2):
+        keys = jax.random.split(jax.random.key(seed), data.num_silos)
+        new, _, _ = simulate_round(
+            algorithm, server, silos, silo_data, jax.random.key(3), keys
+        )
+        ends.append(np.asarray(new.z_global["mu"]))
+    assert not np.any(ends[0] == ends[1])
+
+
 @pytest.mark.parametrize("name", ["fsgld", "dsgld"])
 @pytest.mark.parametrize("runtime", ["simulate", "sequential"])
 @pytest.mark.parametrize("steps", [TAU, 1], ids=["visit", "step"])
@@ -77,7 +94,7 @@ def test_factory_under_generic_runtimes_is_the_kernel_chain(
     else:
         round_fn = partial(sequential_round, jit_algorithm(algorithm))
     silo_data = silo_data_of(data)
-    silo_keys = jax.random.split(jax.random.key(0), data.num_silos)
+    silo_keys = last.silo_keys  # the same key every round: draws fold in the step
     trajectory = []
     for _ in range(ROUNDS * TAU // steps):
         server, silos, info = round_fn(server, silos, silo_data, key, silo_keys)
@@ -98,11 +115,11 @@ def test_factory_under_the_event_runtime_is_the_kernel_chain(hierarchical):
     key = jax.random.key(7)
     server, silos = factory_start(algorithm, key, data)
     passes = 4
-    draws, _ = kernel_chain(
+    draws, last = kernel_chain(
         kernel, key, data, server, silos, passes * data.num_silos * TAU
     )
     silo_data = silo_data_of(data)
-    silo_keys = jax.random.split(jax.random.key(0), data.num_silos)
+    silo_keys = last.silo_keys
     run = jax.jit(partial(event_round, algorithm))
     for p in range(passes):
         schedule = event_schedule(jax.random.key(p), data.num_silos)
@@ -120,11 +137,13 @@ def test_a_non_finite_reply_is_dropped_and_the_chain_goes_on(hierarchical):
     silo_keys = jax.random.split(jax.random.key(1), data.num_silos)
     nan = FSGLDSiloMessage({"mu": jnp.full((data.num_silos, TAU), jnp.nan)})
     everyone = jnp.ones(data.num_silos, bool)
-    new, info = algorithm.server_step(server, nan, jax.random.key(2), everyone)
     chosen = np.arange(data.num_silos) == int(server.silo)
+    contacted = jnp.asarray(chosen)  # what a runtime passes: select's silo
+    new, info = algorithm.server_step(server, nan, jax.random.key(2), contacted)
     np.testing.assert_array_equal(info.rejected, chosen)
+    # A rejected visit is one that did not happen: the chain asks the silo again.
     assert float(new.z_global["mu"]) == float(server.z_global["mu"])
-    assert int(new.step) == TAU  # the counter moves on: the next draws differ
+    assert int(new.step) == int(server.step) and int(new.silo) == int(server.silo)
     assert np.all(np.isfinite(info.trajectory["mu"]))
     # the chain's silo did not reply: nothing changes
     same, info = algorithm.server_step(server, nan, jax.random.key(2), ~everyone)

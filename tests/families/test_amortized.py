@@ -140,7 +140,7 @@ def test_sfvi_with_shared_encoder_equals_numpyro_svi():
     """With Trace_ELBO gradients, SFVI over 3 uneven (padded) silos is centralized
     NumPyro SVI with the same amortized guide, iterate for iterate."""
     fed, guide, data = setup()
-    svi = nf.SFVI(fed, guide, optax.adam(0.05), stl=False)
+    svi = nf.SFVI(fed, guide, optax.adam(0.05), stl=False, reproducible=True)
     state = svi.init(jax.random.key(0), data)
     init = svi.pooled_params(svi.get_params(state), data)
     ref = SVI(fed, guide, optax.adam(0.05), Trace_ELBO())
@@ -163,7 +163,9 @@ def test_private_encoder_sfvi_avg_one_silo_equals_numpyro_svi():
     """A private encoder is a local parameter: with one silo, R rounds of m SFVI-Avg
     steps are R m steps of centralized NumPyro SVI with that guide."""
     fed, guide, data = setup(shared=False, groups=(0,) * 6)
-    avg = nf.SFVIAvg(fed, guide, optax.adam(0.05), local_steps=4, stl=False)
+    avg = nf.SFVIAvg(
+        fed, guide, optax.adam(0.05), local_steps=4, stl=False, reproducible=True
+    )
     state = avg.init(jax.random.key(0), data)
 
     def numpyro_params(params):

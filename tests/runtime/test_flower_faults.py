@@ -20,6 +20,7 @@ os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from numpyro_fed.guard import SiloFailure  # noqa: E402
 from numpyro_fed.protocol import silo_data_of  # noqa: E402
 from numpyro_fed.runtime import flower  # noqa: E402
 from numpyro_fed.runtime.codec import TemplateMismatch  # noqa: E402
@@ -123,7 +124,7 @@ def runs():
                         rng_key=jax.random.key(5),
                         round_timeout=12.0 if name == "straggler" else 120.0,
                     )
-                except TemplateMismatch as error:
+                except (TemplateMismatch, SiloFailure) as error:
                     out[name] = error
             out[name + "/warnings"] = [str(w.message) for w in caught]
 
@@ -183,7 +184,12 @@ def test_a_straggler_past_the_timeout_is_dropped(runs):
 
 
 def test_non_finite_replies_are_rejected_named_and_do_not_touch_the_state(runs):
-    run = runs["nonfinite"]
+    """Silo 0 replies NaN in every round: the run stops at its end naming silo 0
+    and its node, with the state (which it never touched) in the error."""
+    error = runs["nonfinite"]
+    assert isinstance(error, SiloFailure) and error.silos == [0]
+    assert "silo 0 (node" in str(error)
+    run = error.result
     assert bool(all_finite(run.state))
     assert [np.asarray(i.rejected).tolist() for i in run.infos] == [
         [True, False, False]
