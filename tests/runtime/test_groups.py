@@ -34,7 +34,7 @@ def test_runtimes_import_only_the_contract_and_name_no_algorithm():
             if isinstance(node, ast.ImportFrom) and node.module.startswith(
                 "numpyro_fed"
             ):
-                assert node.module.split(".")[1] in ("protocol", "guard", "util", "runtime"), (
+                assert node.module.split(".")[1] in ("protocol", "guard", "util", "checks", "runtime"), (
                     path.name,
                     node.module,
                 )
