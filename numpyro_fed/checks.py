@@ -8,6 +8,7 @@ import operator
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
@@ -87,7 +88,7 @@ def check_participating(participating: Any, num_silos: int) -> jax.Array:
             f"participating must be booleans (or 0/1) naming the silos that take "
             f"part; got {shown}."
         )
-    return jax.numpy.asarray(participating, bool)
+    return jnp.asarray(participating, bool)
 
 
 def check_finite_array(name: str, value: Any, where: str) -> None:
