@@ -179,8 +179,9 @@ def test_vertical_party_fault_moves_no_one_and_is_named():
     m.tree_allclose(result.state.server, state.server, rtol=0, atol=0)
     m.tree_allclose(result.state.silos, state.silos, rtol=0, atol=0)
     assert np.asarray(result.history["rejected"]).tolist() == [[False, True, False]] * 2
+    bad.max_rejected = 0.25  # the default: the same fault now stops the run
     with pytest.raises(SiloFailure, match="replies of party 'b' were"):
-        _vertical("b").run(jax.random.key(1), 4, data, progress_bar=False)
+        bad.run(jax.random.key(1), 2, data, init_state=state, progress_bar=False)
 
 
 # ------------------------------------------------------------------ FSGLD / DSGLD
