@@ -179,5 +179,29 @@ def test_vertical_party_fault_moves_no_one_and_is_named():
     m.tree_allclose(result.state.server, state.server, rtol=0, atol=0)
     m.tree_allclose(result.state.silos, state.silos, rtol=0, atol=0)
     assert np.asarray(result.history["rejected"]).tolist() == [[False, True, False]] * 2
+    bad.max_rejected = 0.25  # the default: the same fault now stops the run
     with pytest.raises(SiloFailure, match="replies of party 'b' were"):
-        _vertical("b").run(jax.random.key(1), 4, data, progress_bar=False)
+        bad.run(jax.random.key(1), 2, data, init_state=state, progress_bar=False)
+
+
+# ------------------------------------------------------------------ FSGLD / DSGLD
+@pytest.mark.parametrize(
+    "step_size, problem",
+    [
+        (float("inf"), "positive finite number"),
+        (float("nan"), "positive finite number"),
+        (lambda t: 1e-3 * jnp.sqrt(1.0 - t / 4999.5), r"at t=\d+ it is nan"),
+        (lambda t: 1e-3 - 1e-9 * t, r"at t=\d+ it is -"),
+    ],
+    ids=["inf", "nan", "schedule-turns-nan", "schedule-turns-negative"],
+)
+def test_step_sizes_that_cannot_work_are_refused(step_size, problem):
+    fed = nf.federate(m.normal_normal, silos="group")
+    with pytest.raises(ValueError, match=problem):
+        nf.DSGLD(fed, step_size)
+
+
+def test_fsgld_without_surrogates_is_not_silently_dsgld():
+    fed = nf.federate(m.normal_normal, silos="group")
+    with pytest.raises(TypeError, match="use nf.DSGLD"):
+        nf.FSGLD(fed, 1e-3, None)

@@ -59,7 +59,7 @@ def test_data_in_a_scale_parameter_sfvi_equals_numpyro_svi():
     iterate for iterate (float64, reproducible noise)."""
     fed, data = _schools()
     guide = nf.AutoStructured(fed)
-    svi = nf.SFVI(fed, guide, optax.adam(0.05), stl=False)
+    svi = nf.SFVI(fed, guide, optax.adam(0.05), stl=False, reproducible=True)
     state, ref = m.numpyro_svi_reference(fed, guide, svi, data, 20, optax.adam(0.05))
     result = svi.run(None, 20, data, init_state=state, progress_bar=False)
     np.testing.assert_allclose(result.losses, ref.losses, rtol=1e-9)
@@ -90,7 +90,7 @@ def test_global_factor_sfvi_equals_numpyro_svi():
     fed = nf.federate(factor_prior, silos="data")
     data = nf.FederatedData.from_groups(m.split_groups(8, 3), y=FACTOR_Y)
     guide = nf.AutoStructured(fed)
-    svi = nf.SFVI(fed, guide, optax.adam(0.05), stl=False)
+    svi = nf.SFVI(fed, guide, optax.adam(0.05), stl=False, reproducible=True)
     state, ref = m.numpyro_svi_reference(fed, guide, svi, data, 20, optax.adam(0.05))
     result = svi.run(None, 20, data, init_state=state, progress_bar=False)
     np.testing.assert_allclose(result.losses, ref.losses, rtol=1e-9)
@@ -269,7 +269,9 @@ def test_ragged_nested_sfvi_equals_numpyro_svi():
     }
     pooled["real"] = np.arange(width) < np.array(HOMES)[:, None]
     ref_fed = nf.federate(radon_masked, silos="county")
-    svi = nf.SFVI(fed, nf.AutoStructured(fed), optax.adam(0.05), stl=False)
+    svi = nf.SFVI(
+        fed, nf.AutoStructured(fed), optax.adam(0.05), stl=False, reproducible=True
+    )
     state, ref = m.numpyro_svi_reference(
         ref_fed, nf.AutoStructured(ref_fed), svi, data, 20, optax.adam(0.05), pooled
     )

@@ -104,15 +104,39 @@ class ProtocolResult(NamedTuple):
     stats: CommStats
 
 
+#: The steps at which a step-size schedule is checked: every one of the first
+#: thousand, then a geometric grid up to 1e9 (a schedule that turns NaN or negative
+#: late in a long run would otherwise poison the chain silently).
+_SCHEDULE_PROBES = np.unique(
+    np.concatenate([np.arange(1001), np.geomspace(1000, 1e9, 200).astype(np.int64)])
+)
+
+
 def _check_step_size(step_size: Any) -> Callable:
     if callable(step_size):
-        h0 = float(step_size(jnp.zeros((), jnp.int32)))
-        if not h0 > 0:
-            raise ValueError(f"step_size(0) must be positive, got {h0}.")
+        probes = _SCHEDULE_PROBES
+        try:
+            h = np.asarray(jax.vmap(step_size)(jnp.asarray(probes, jnp.int32)))
+        except Exception:  # a schedule with Python control flow: a few steps
+            probes = probes[:: len(probes) // 20]
+            h = np.array([float(step_size(jnp.asarray(t, jnp.int32))) for t in probes])
+        bad = np.flatnonzero(~(np.isfinite(h) & (h > 0)))
+        if bad.size:
+            t0 = int(probes[bad[0]])
+            raise ValueError(
+                f"step_size(t) must be positive and finite at every step; at t={t0} "
+                f"it is {float(h[bad[0]])}."
+            )
         return step_size
-    if isinstance(step_size, bool) or not np.isscalar(step_size) or not step_size > 0:
+    if (
+        isinstance(step_size, bool)
+        or not np.isscalar(step_size)
+        or not np.isfinite(step_size)
+        or not step_size > 0
+    ):
         raise ValueError(
-            f"step_size must be a positive number or a callable t -> h_t, got {step_size!r}."
+            "step_size must be a positive finite number or a callable t -> h_t, got "
+            f"{step_size!r}."
         )
     h = float(step_size)
     return lambda t: jnp.asarray(h)
@@ -216,6 +240,7 @@ class FSGLD(MCMCKernel):
     """
 
     sample_field = "z"
+    _needs_surrogates = True
 
     def __init__(
         self,
@@ -245,6 +270,11 @@ class FSGLD(MCMCKernel):
             )
         if not np.isfinite(alpha):
             raise ValueError(f"alpha must be finite, got {alpha!r}.")
+        if surrogates is None and self._needs_surrogates:
+            raise TypeError(
+                "FSGLD needs the silos' surrogates (nf.fit_surrogates(model, data)); "
+                "without them it is DSGLD: use nf.DSGLD(model, step_size, ...)."
+            )
         if surrogates is not None:
             check_surrogates(surrogates)
         self._surrogates = surrogates
@@ -537,6 +567,8 @@ class DSGLD(FSGLD):
         ...
         ValueError: tau (local steps per visit) must be an int >= 1, got 0.
     """
+
+    _needs_surrogates = False
 
     def __init__(
         self,

@@ -240,6 +240,8 @@ def _repartition(params, old_data, new_data):
     return params._replace(eta_local=jax.tree.map(new_data.scatter_units, pooled))
 
 
+# Slow: test_partition_invariance covers the same layouts in the default run.
+@pytest.mark.slow
 def test_padding_invariance():
     """Padded units contribute exactly nothing: a run padded to 6 units per silo
     equals the unpadded run on the real units."""
@@ -353,6 +355,8 @@ def test_conjugate_hierarchy_converges_to_exact_posterior():
     np.testing.assert_allclose(fit_cov, cov, atol=5e-3)
 
 
+# Slow: the contract test's unit-axis check and nf.audit cover every algorithm by default.
+@pytest.mark.slow
 def test_messages_carry_no_unit_or_data_dimension():
     """T8: nothing in a server or silo message has the silo's unit axis."""
     fed, guide, svi, data = _setup("hierarchical", 2)

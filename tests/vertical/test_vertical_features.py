@@ -369,6 +369,8 @@ def _fit(model, data, family, vmap, steps=4, kind="augmented", optim=None):
     return vfl, result
 
 
+# Slow: test_equal_shapes_with_different_code_are_not_vmapped keeps one vmapped run in the default suite.
+@pytest.mark.slow
 def test_t10_vmapped_and_looped_parties_agree_in_any_block_order():
     # a and b have equal blocks (vmapped together); c is wider (its own call). The
     # looped run traces the blocks in another order: party keys come from names.
