@@ -12,12 +12,17 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
+    "RUNTIMES",
     "check_count",
     "check_federated_state",
     "check_finite_array",
     "check_participating",
+    "check_runtime_options",
     "check_state_layout",
 ]
+
+#: The driver's runtimes (:class:`~numpyro_fed.infer.driver.Driver`).
+RUNTIMES = ("simulate", "sequential", "events", "sharded")
 
 
 def check_count(name: str, value: Any, minimum: int = 1) -> int:
@@ -199,3 +204,22 @@ def check_federated_state(
             f"{num_silos}; {fix}."
         )
     check_state_layout(owner, state, expected_of(state.rng_key), fix)
+
+
+def check_runtime_options(
+    runtime: str,
+    participation: float,
+    order: str,
+    staleness: Any,
+    max_rejected: float | None,
+) -> int:
+    """Check the driver's runtime options; return ``max_staleness`` as an int."""
+    if runtime not in RUNTIMES:
+        raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}.")
+    if not 0 < participation <= 1:
+        raise ValueError(f"participation must be in (0, 1], got {participation!r}.")
+    if order not in ("cyclic", "random"):
+        raise ValueError(f"order must be 'cyclic' or 'random', got {order!r}.")
+    if max_rejected is not None and not 0 <= max_rejected <= 1:
+        raise ValueError(f"max_rejected must be in [0, 1], got {max_rejected!r}.")
+    return check_count("max_staleness", staleness, minimum=0)

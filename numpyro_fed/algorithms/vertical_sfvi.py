@@ -38,6 +38,7 @@ for.
 
 from contextlib import contextmanager
 from typing import Any, Callable, NamedTuple
+import warnings
 import zlib
 
 import jax
@@ -69,6 +70,7 @@ __all__ = [
     "VerticalInfo",
     "VerticalPartyState",
     "VerticalServerState",
+    "check_local_steps",
     "check_row_hashes",
     "name_key_data",
     "num_phases",
@@ -194,6 +196,22 @@ def row_errors():
         raise RowIndexMismatchError(
             text[text.rindex(tag) + len(tag) :].splitlines()[0]
         ) from None
+
+
+def check_local_steps(local_steps: Any) -> int:
+    """``local_steps`` as an int; more than one warns that the extra steps follow a
+    linearization of the server's term."""
+    local_steps = check_count("local_steps", local_steps)
+    if local_steps > 1:
+        warnings.warn(
+            f"VerticalSFVI(local_steps={local_steps}): the extra local steps ascend "
+            "the linearization <g_j, z_j> of the server's term around the round's "
+            "z_j with a stale server gradient; only the first step follows the "
+            "ELBO's gradient, so the fit is approximate.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return local_steps
 
 
 def num_phases(kind: str) -> int:

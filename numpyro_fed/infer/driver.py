@@ -20,7 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import trange
 
-from numpyro_fed.checks import check_count, check_federated_state, check_participating
+from numpyro_fed.checks import (
+    check_count,
+    check_federated_state,
+    check_participating,
+    check_runtime_options,
+)
 from numpyro_fed.guard import check_rejections
 from numpyro_fed.protocol import FederatedAlgorithm, jit_algorithm, silo_data_of
 from numpyro_fed.runtime import (
@@ -36,9 +41,7 @@ from numpyro_fed.runtime.remote import Federation
 from numpyro_fed.runtime.simulate import contacted_silos
 from numpyro_fed.util import all_finite, take, tree_where
 
-__all__ = ["Driver", "FederatedState", "RunResult", "RUNTIMES"]
-
-RUNTIMES = ("simulate", "sequential", "events", "sharded")
+__all__ = ["Driver", "FederatedState", "RunResult"]
 
 
 class FederatedState(NamedTuple):
@@ -65,18 +68,6 @@ class RunResult(NamedTuple):
     state: Any
     losses: jax.Array
     history: dict
-
-
-def _check_options(
-    runtime: str, participation: float, order: str, staleness: int
-) -> int:
-    if runtime not in RUNTIMES:
-        raise ValueError(f"runtime must be one of {RUNTIMES}, got {runtime!r}.")
-    if not 0 < participation <= 1:
-        raise ValueError(f"participation must be in (0, 1], got {participation!r}.")
-    if order not in ("cyclic", "random"):
-        raise ValueError(f"order must be 'cyclic' or 'random', got {order!r}.")
-    return check_count("max_staleness", staleness, minimum=0)
 
 
 class Driver:
@@ -116,9 +107,9 @@ class Driver:
         max_staleness: int = 0,
         max_rejected: float | None = 0.25,
     ) -> None:
-        max_staleness = _check_options(runtime, participation, order, max_staleness)
-        if max_rejected is not None and not 0 <= max_rejected <= 1:
-            raise ValueError(f"max_rejected must be in [0, 1], got {max_rejected!r}.")
+        max_staleness = check_runtime_options(
+            runtime, participation, order, max_staleness, max_rejected
+        )
         self.runtime = runtime
         self.participation = participation
         self.order = order

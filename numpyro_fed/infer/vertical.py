@@ -10,7 +10,6 @@ are stacked and vmapped as one group, the others are groups of one.
 """
 
 from typing import Any, Callable, NamedTuple
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -19,12 +18,13 @@ import optax
 
 from numpyro_fed.algorithms import vertical_reference
 from numpyro_fed.algorithms.vertical_sfvi import (
+    check_local_steps,
     name_key_data,
     num_phases,
     row_errors,
     vertical_sfvi,
 )
-from numpyro_fed.checks import check_count, check_state_layout
+from numpyro_fed.checks import check_state_layout
 from numpyro_fed.infer.driver import Driver, FederatedState, RunResult
 from numpyro_fed.protocol import SiloData, jit_algorithm
 from numpyro_fed.runtime.groups import group_round, stack_groups, unstack_groups
@@ -72,20 +72,6 @@ class RoundKeys(NamedTuple):
     idx: Any
     server_key: jax.Array
     party_keys: dict
-
-
-def _check_local_steps(local_steps: Any) -> int:
-    local_steps = check_count("local_steps", local_steps)
-    if local_steps > 1:
-        warnings.warn(
-            f"VerticalSFVI(local_steps={local_steps}): the extra local steps ascend "
-            "the linearization <g_j, z_j> of the server's term around the round's "
-            "z_j with a stale server gradient; only the first step follows the "
-            "ELBO's gradient, so the fit is approximate.",
-            UserWarning,
-            stacklevel=3,
-        )
-    return local_steps
 
 
 class VerticalSFVI(Driver):
@@ -187,7 +173,7 @@ class VerticalSFVI(Driver):
                 "optim must be an optax.GradientTransformation or a dict owner -> "
                 f"optimizer; got {type(optim).__name__}."
             )
-        local_steps = _check_local_steps(local_steps)
+        local_steps = check_local_steps(local_steps)
         super().__init__(runtime=runtime, max_rejected=max_rejected)
         self.model = model
         self.family = family
