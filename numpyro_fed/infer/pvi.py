@@ -124,7 +124,16 @@ class PVI(Driver):
     :param bool analytic_kl: closed-form KL to the cavity (lower variance).
     :param bool stl: sticking-the-landing gradients for Monte Carlo entropy terms.
     :param str local_solver: ``"adam"`` or ``"natural"`` (fixed-point iteration,
-        eq. 10; exact one-step updates for conjugate Gaussian likelihoods).
+        eq. 10; exact one-step updates for conjugate Gaussian likelihoods). Default:
+        ``"natural"`` when the model has no local latent sites and no ``local_optim``
+        is given, ``"adam"`` otherwise. Adam's steps have a fixed size whatever the
+        size of the gradient, so each silo moves q by about ``lr * local_steps`` in
+        every coordinate however little its data say: under the sequential schedule
+        with many small silos those moves are noise, and they add up over the silos
+        into a collapsed q (J = 2,000 units, one per silo: sd 1.9e-6 against the
+        exact 0.022). The natural solver's step is the silo's own information, so it
+        does not. Its cost grows with the square of the global dimension (a Hessian
+        at 2d sigma points).
     :param hyper_optim: the server's optax optimizer for ``numpyro.param`` sites
         (default ``optax.adam(1e-2)``).
     :param int max_staleness: asynchronous schedule: the largest number of updates a
@@ -184,7 +193,7 @@ class PVI(Driver):
         num_particles: int = 1,
         analytic_kl: bool = True,
         stl: bool = True,
-        local_solver: str = "adam",
+        local_solver: str | None = None,
         hyper_optim: optax.GradientTransformation | None = None,
         max_staleness: int = 2,
         order: str = "cyclic",
@@ -200,7 +209,7 @@ class PVI(Driver):
             raise ValueError(f"damping must be in (0, 1], got {damping!r}.")
         local_steps = check_count("local_steps", local_steps)
         num_particles = check_count("num_particles", num_particles)
-        if local_solver not in ("adam", "natural"):
+        if local_solver not in (None, "adam", "natural"):
             raise ValueError(
                 f"local_solver must be 'adam' or 'natural', got {local_solver!r}."
             )
@@ -228,6 +237,11 @@ class PVI(Driver):
         self.analytic_kl = analytic_kl
         self.stl = stl
         self.local_solver = local_solver
+        # The solver in use: local_solver, or (None) chosen at set-up, once the
+        # model's local latent sites are known; an optimizer the user gave is one
+        # they mean to be used.
+        self.solver = local_solver
+        self.explicit_optim = local_optim is not None
         self.init_from = init
         self._priors: dict = {}
 
@@ -248,7 +262,11 @@ class PVI(Driver):
                 "has none (every latent site is inside the silo plate "
                 f"{roles.silo_plate!r}); fit each silo on its own instead."
             )
-        if self.local_solver == "natural" and roles.local_sites:
+        if self.local_solver is None:
+            self.solver = (
+                "adam" if roles.local_sites or self.explicit_optim else "natural"
+            )
+        if self.solver == "natural" and roles.local_sites:
             raise NotImplementedError(
                 "local_solver='natural' needs a model without local latent sites "
                 f"(this one has {list(roles.local_sites)}); use local_solver='adam'."
@@ -286,7 +304,7 @@ class PVI(Driver):
             num_particles=self.num_particles,
             analytic_kl=self.analytic_kl,
             stl=self.stl,
-            local_solver=self.local_solver,
+            local_solver=self.solver,
             padded=min(data.sizes) < data.padded_size,
         )
 

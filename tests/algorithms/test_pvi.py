@@ -22,6 +22,7 @@ from numpyro_fed.runtime import (
     sequential_round,
     simulate_round,
 )
+from tests import _models
 
 NOISE_SD = 0.5
 SIZES = (7, 33, 1, 54, 25)
@@ -381,3 +382,45 @@ def test_rounds_do_not_recompile():
     for _ in range(3):
         state, _ = pvi.update(state, DATA)
     assert round_fn._cache_size() == 1
+
+
+def _location(y):
+    mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+    with numpyro.plate("units", y.shape[0]):
+        numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
+
+
+def test_default_sequential_many_small_silos_does_not_collapse():
+    """Issue 19: one unit per silo, J = 500, default settings. Adam's fixed-size
+    steps moved each silo's q by ~lr * local_steps however little one unit says, and
+    the noise added up over the silos (sd 6.5e-6 against the exact 0.0447, mean
+    1.833 against 1.973); the default solver for a model without local latents is now
+    the natural one, which is exact here."""
+    J = 500
+    y = np.random.default_rng(0).normal(2.0, 1.0, size=J)
+    data = nf.FederatedData.from_groups(np.arange(J), y=jnp.asarray(y))
+    fed = nf.federate(_location, silos="units")
+    prec = 1 / 100 + J
+    pvi = nf.PVI(fed, schedule="sequential")
+    params = pvi.run(jax.random.key(0), 5, data, progress_bar=False).params
+    np.testing.assert_allclose(params.eta_global["loc"], [y.sum() / prec], rtol=1e-9)
+    np.testing.assert_allclose(params.eta_global["scale"], [prec**-0.5], rtol=1e-9)
+    assert pvi.solver == "natural"
+
+
+def test_default_local_solver_follows_the_model_and_the_optimizer():
+    """Natural without local latents and without a given optimizer; Adam when the
+    user gives one (they mean it to be used) or the model has local latents."""
+    assert nf.PVI(FED).solver is None  # not known before set-up
+    given = nf.PVI(FED, local_optim=optax.adam(1e-2), local_steps=1)
+    given.init(jax.random.key(0), DATA)
+    assert given.solver == "adam"
+    default = nf.PVI(FED, local_steps=1)
+    default.init(jax.random.key(0), DATA)
+    assert default.solver == "natural"
+    fed = nf.federate(_models.normal_normal, silos="group")
+    groups = _models.split_groups(9, 3)
+    y = np.random.default_rng(0).normal(size=(9, 4))
+    local = nf.PVI(fed, local_steps=1)
+    local.init(jax.random.key(0), nf.FederatedData.from_groups(groups, y=y))
+    assert local.solver == "adam"
