@@ -351,3 +351,24 @@ def test_ragged_nested_latents_run(make):
     data = nf.FederatedData.from_silos(_radon_silos())
     result = make(fed).run(jax.random.key(0), 3, data, progress_bar=False)
     assert np.isfinite(np.asarray(result.losses)).all()
+
+
+def test_a_deployed_silo_must_give_its_nested_plate_sizes():
+    """A deployed silo loads its own data; on ragged nested plates the federation's
+    layout carries each plate's real size, and a silo that leaves it out is told
+    so (instead of its padded homes counting as data)."""
+    from numpyro_fed.protocol import SiloData, silo_data_of
+    from numpyro_fed.runtime.remote import RemoteSilo
+    from numpyro_fed.util import take
+
+    fed = nf.federate(radon, silos="county")
+    data = nf.FederatedData.from_silos(_radon_silos())
+    fit = nf.SFVI(fed, nf.AutoStructured(fed), optax.adam(0.05))
+    federation = fit.federation(data)
+    nested = nf.partition.nested_sizes(fed, data, nf.partition.analyze(fed, data))
+    own = take(silo_data_of(data, nested), 3)  # the 116-home county
+    assert int(own.nested["home"]) == 116
+    RemoteSilo(federation, own, jax.random.key(0))
+    bare = SiloData(own.arrays, own.mask, own.unit_ids)
+    with pytest.raises(ValueError, match=r"nested=\{plate: size\}"):
+        RemoteSilo(federation, bare, jax.random.key(0))

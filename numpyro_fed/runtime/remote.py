@@ -160,9 +160,17 @@ class RemoteSilo:
         self.templates = _templates(federation)
         spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), data)
         if spec != federation.silo_spec:
+            expected = sorted(federation.silo_spec.nested)
+            ragged = (
+                f" The model's nested plates {expected} are ragged: give each one's "
+                "real size on this silo in SiloData(..., nested={plate: size})."
+                if sorted(data.nested) != expected
+                else ""
+            )
             raise ValueError(
                 f"This silo's data {spec} do not have the federation's layout "
                 f"{federation.silo_spec}: pad them to the same units and dtypes."
+                + ragged
             )
         self.data = data
         self.root_key = root_key
