@@ -4,18 +4,21 @@
 surrogates and the data classes. They run at the boundary, outside ``jit``, and
 name the argument, array, silo or state field at fault."""
 
+import math
 import operator
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 __all__ = [
     "RUNTIMES",
     "check_count",
     "check_federated_state",
     "check_finite_array",
+    "check_optimizer",
     "check_participating",
     "check_runtime_options",
     "check_state_layout",
@@ -27,28 +30,28 @@ RUNTIMES = ("simulate", "sequential", "events", "sharded")
 
 def check_count(name: str, value: Any, minimum: int = 1) -> int:
     """
-    ``value`` as a Python ``int``: any integer (Python, NumPy or a concrete JAX
-    scalar) of at least ``minimum``; booleans and floats are refused.
+        ``value`` as a Python ``int``: any integer (Python, NumPy or a concrete JAX
+        scalar) of at least ``minimum``; booleans and floats are refused.
 
-    :param str name: the argument's name, for the error.
-    :param value: the count.
-    :param int minimum: the smallest value allowed.
-    :return: ``int(value)``.
-    :raises TypeError: for a value that is not an integer, naming the argument.
-    :raises ValueError: for an integer below ``minimum``, naming the argument.
+        :param str name: the argument's name, for the error.
+        :param value: the count.
+        :param int minimum: the smallest value allowed.
+        :return: ``int(value)``.
+        :raises TypeError: for a value that is not an integer, naming the argument.
+        :raises ValueError: for an integer below ``minimum``, naming the argument.
 
-    **Example:**
+        **Example:**
 
-    .. doctest::
+        .. doctest::
 
-        >>> import numpy as np
-        >>> from numpyro_fed.checks import check_count
-        >>> check_count("num_steps", np.int64(10))
-        10
-        >>> check_count("num_steps", 2.5)
-        Traceback (most recent call last):
-        ...
-        TypeError: num_steps must be an int >= 1, got 2.5.
+            >>> import numpy as np
+            >>> from numpyro_fed.checks import check_count
+            >>> check_count("num_steps", np.int64(10))
+            10
+            >>> check_count("num_steps", 2.5)
+            Traceback (most recent call last):
+            ...
+            TypeError: num_steps must be an int >= 1, got 2.5.
     """
     message = f"{name} must be an int >= {minimum}, got {value!r}."
     try:
@@ -223,3 +226,30 @@ def check_runtime_options(
     if max_rejected is not None and not 0 <= max_rejected <= 1:
         raise ValueError(f"max_rejected must be in [0, 1], got {max_rejected!r}.")
     return check_count("max_staleness", staleness, minimum=0)
+
+
+def check_optimizer(name: str, optim: Any) -> None:
+    """Raise unless ``optim`` is an optax transformation."""
+    if not isinstance(optim, optax.GradientTransformation):
+        raise TypeError(
+            f"{name} must be an optax.GradientTransformation such as optax.adam(1e-2);"
+            f" got {type(optim).__name__}."
+        )
+    # A NaN or negative learning rate runs, and returns NaNs or parameters that
+    # never move: one step on a unit gradient shows it before any work.
+    x = jnp.ones((1,))
+    try:
+        update = optim.update(x, optim.init(x), x)[0]
+    except Exception:  # an optimizer that needs more than (grads, state, params)
+        return
+    update = float(jnp.ravel(update)[0])
+    if not math.isfinite(update):
+        raise ValueError(
+            f"{name} gives a non-finite update ({update}) for a unit gradient: is its "
+            "learning rate NaN or infinite?"
+        )
+    if update > 0:
+        raise ValueError(
+            f"{name} steps up a unit gradient (update {update:+.3g}): optax "
+            "minimizes, so its learning rate must be positive."
+        )

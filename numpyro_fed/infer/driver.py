@@ -86,7 +86,7 @@ class Driver:
     :param str order: ``"cyclic"`` or ``"random"`` visiting order (events runtime).
     :param int max_staleness: largest staleness of a message (events runtime).
     :param float max_rejected: :meth:`run` stops with
-        :class:`~numpyro_fed.infer.faults.SiloFailure` when a silo's replies were
+        :class:`~numpyro_fed.guard.SiloFailure` when a silo's replies were
         rejected (not finite, or not valid) in more than this fraction of the rounds
         it was contacted in; ``None`` never stops (every rejection is still named in
         a warning).

@@ -20,13 +20,13 @@ from numpyro_fed.algorithms.fedgvi import (
     renyi_divergence,
 )
 from numpyro_fed.algorithms.pvi import guide_params, pvi
-from numpyro_fed.checks import check_count
+from numpyro_fed.checks import check_count, check_optimizer
 from numpyro_fed.densities import data_template
 from numpyro_fed.expfam import GaussianNat, from_loc_scale, gaussian_prior, kl
 from numpyro_fed.families.structured import AutoMeanField, AutoStructured
 from numpyro_fed.infer.driver import Driver, FederatedState, RunResult
 from numpyro_fed.infer.posterior import sample_structured
-from numpyro_fed.infer.vi import check_optimizer, local_params
+from numpyro_fed.infer.vi import local_params
 from numpyro_fed.partition import nested_sizes
 from numpyro_fed.util import constrain
 

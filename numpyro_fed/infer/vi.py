@@ -4,7 +4,6 @@
 :func:`~numpyro_fed.algorithms.sfvi.sfvi` and
 :func:`~numpyro_fed.algorithms.sfvi_avg.sfvi_avg`."""
 
-import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -17,7 +16,7 @@ from numpyro_fed.algorithms.sfvi_avg import (
     SFVIAvgSiloState,
     sfvi_avg,
 )
-from numpyro_fed.checks import check_count
+from numpyro_fed.checks import check_count, check_optimizer
 from numpyro_fed.densities import data_template
 from numpyro_fed.elbo import noise_keys
 from numpyro_fed.families.structured import (
@@ -45,33 +44,6 @@ class SFVIParams(NamedTuple):
     theta: dict
     eta_global: dict
     eta_local: dict
-
-
-def check_optimizer(name: str, optim: Any) -> None:
-    """Raise unless ``optim`` is an optax transformation."""
-    if not isinstance(optim, optax.GradientTransformation):
-        raise TypeError(
-            f"{name} must be an optax.GradientTransformation such as optax.adam(1e-2);"
-            f" got {type(optim).__name__}."
-        )
-    # A NaN or negative learning rate runs, and returns NaNs or parameters that
-    # never move: one step on a unit gradient shows it before any work.
-    x = jnp.ones((1,))
-    try:
-        update = optim.update(x, optim.init(x), x)[0]
-    except Exception:  # an optimizer that needs more than (grads, state, params)
-        return
-    update = float(jnp.ravel(update)[0])
-    if not math.isfinite(update):
-        raise ValueError(
-            f"{name} gives a non-finite update ({update}) for a unit gradient: is its "
-            "learning rate NaN or infinite?"
-        )
-    if update > 0:
-        raise ValueError(
-            f"{name} steps up a unit gradient (update {update:+.3g}): optax "
-            "minimizes, so its learning rate must be positive."
-        )
 
 
 def local_params(constraints: dict, silos: Any) -> dict:
