@@ -37,7 +37,13 @@ import numpy as np
 import optax
 
 from numpyro_fed.densities import server_log_density, silo_log_density
-from numpyro_fed.elbo import draw_global, initial_globals, noise_keys, silo_terms
+from numpyro_fed.elbo import (
+    GlobalDraw,
+    draw_global,
+    initial_globals,
+    noise_keys,
+    silo_terms,
+)
 from numpyro_fed.expfam import (
     GaussianNat,
     expected_log_factor,
@@ -270,7 +276,9 @@ def pvi(
     :param str local_solver: ``"adam"`` (``local_steps`` steps of ``local_optim`` on
         the local free energy) or ``"natural"`` (the paper's damped fixed-point
         iteration, eq. 10, with expectations at 2d sigma points: exact for conjugate
-        Gaussian likelihoods; models without local latents only).
+        Gaussian likelihoods; a local guide takes one ``local_optim`` step per
+        iteration, and the silo's likelihood at a global point is its bound over its
+        local latents).
     :param bool padded: some silos carry padded units that must be masked out.
     :param callable observed_fn: a robust loss applied to each observation's
         log-likelihood (see :func:`~numpyro_fed.densities.silo_log_density`).
@@ -327,15 +335,29 @@ def pvi(
         z_g = guide.sample_global(eta_g, guide.global_noise(key))
         return log_lik_at(True, z_g, theta_u, None), z_g
 
-    def log_lik_at(is_prior: bool, u, theta_u, data):
-        """The (prior or silo) log-likelihood at a fixed global point u."""
+    def log_lik_at(is_prior: bool, u, theta_u, data, eta_g=None, eta_l_u=None, keys=None):
+        """The (prior or silo) log-likelihood at a fixed global point u. With local
+        latents it is the silo's bound :math:`E_{q(z_m|u)}[\\log p(y_m, z_m \\mid u)
+        - \\log q(z_m \\mid u)]`, averaged over the draws of ``keys``."""
         theta = constrain(theta_c, theta_u)
         values, log_det = guide.constrain_global(u)
         if is_prior:
             return server_log_density(model, plate, template, {**values, **theta}) + (
                 log_det
             )
-        return silo_lik({**values, **theta}, data)
+        if not eta_l_u:
+            return silo_lik({**values, **theta}, data)
+        draw = GlobalDraw(u, values, log_det)
+        eta_l = constrain(local_c, eta_l_u)
+
+        def one(key):
+            terms = silo_terms(
+                model, guide, draw, theta, eta_g, eta_l, key, data,
+                stop=stop, padded=padded, observed_fn=observed_fn,
+            )
+            return terms.log_p - terms.log_q
+
+        return jnp.mean(jax.vmap(one)(keys))
 
     # ------------------------------------------------------ local free energy
     def make_step(is_prior: bool):
@@ -395,12 +417,26 @@ def pvi(
                 eta_local=eta_local, optim_state=optim_state, rng_key=key
             )
 
-        def natural_fit(message, state, data, cav):
-            def loglik(u):
-                return log_lik_at(is_prior, u, message.theta, data)
+        local_grad = jax.grad(
+            lambda eta_l_u, glob_u, theta_u, keys, data: -data_value(
+                glob_u, eta_l_u, theta_u, keys, data
+            )
+        )
 
-            def target(factor):
+        def natural_fit(message, state, data, cav):
+            # Each iteration moves the local guide (if any) one optimizer step on the
+            # silo's bound under the current q, then takes q's damped fixed-point step
+            # with the local guide held: both steps are the silo's own size, so many
+            # small silos do not add up fixed-size errors (Adam's do).
+            def target(factor, eta_l_u, keys):
                 q = cav.plus(factor)
+                eta_g = lax.stop_gradient(to_guide(q))
+
+                def loglik(u):
+                    return log_lik_at(
+                        is_prior, u, message.theta, data, eta_g, eta_l_u, keys
+                    )
+
                 points = _sigma_points(q)
                 grad = jnp.mean(jax.vmap(jax.grad(loglik))(points), 0)
                 hess = jnp.mean(jax.vmap(jax.hessian(loglik))(points), 0)
@@ -411,21 +447,44 @@ def pvi(
                 prec = -jnp.diagonal(hess)
                 return GaussianNat(grad + prec * mean, prec)
 
-            def iterate(factor, _):
+            def iterate(carry, _):
+                factor, eta_l_u, optim_state, key = carry
+                key, step_key = jax.random.split(key)
+                keys = noise_keys(step_key, num_particles)
+                if eta_l_u:
+                    glob_u = unconstrain(glob_c, to_guide(cav.plus(factor)))
+                    grads = local_grad(eta_l_u, glob_u, message.theta, keys, data)
+                    updates, new_optim = local_optim.update(grads, optim_state, eta_l_u)
+                    new_eta = optax.apply_updates(eta_l_u, updates)
+                    ok = all_finite((grads, new_eta))
+                    eta_l_u, optim_state = tree_where(
+                        ok, (new_eta, new_optim), (eta_l_u, optim_state)
+                    )
                 # A fixed-point step that would leave the local q invalid (a
                 # non-log-concave likelihood seen through a wide q) is shortened.
-                q, _ = apply_update(cav.plus(factor), target(factor).minus(factor))
-                return q.minus(cav), None
+                step = target(factor, eta_l_u, keys).minus(factor)
+                q, _ = apply_update(cav.plus(factor), step)
+                return (q.minus(cav), eta_l_u, optim_state, key), None
 
-            factor, _ = lax.scan(iterate, state.factor, None, length=local_steps)
-            return cav.plus(factor), state
+            carry = (state.factor, state.eta_local, state.optim_state, state.rng_key)
+            (factor, eta_local, optim_state, key), _ = lax.scan(
+                iterate, carry, None, length=local_steps
+            )
+            return cav.plus(factor), state._replace(
+                eta_local=eta_local, optim_state=optim_state, rng_key=key
+            )
 
         fit = natural_fit if local_solver == "natural" else adam_fit
 
-        def data_grad_at_points(points, theta_u, data):
+        def data_grad_at_points(q, theta_u, eta_l_u, keys, data):
+            points = _sigma_points(q)
+            eta_g = to_guide(q)
+
             def value(theta_u):
-                at = jax.vmap(lambda u: log_lik_at(is_prior, u, theta_u, data))
-                return jnp.mean(at(points))
+                at = lambda u: log_lik_at(
+                    is_prior, u, theta_u, data, eta_g, eta_l_u, keys
+                )
+                return jnp.mean(jax.vmap(at)(points))
 
             return jax.value_and_grad(value)(theta_u)
 
@@ -444,8 +503,9 @@ def pvi(
             glob0 = unconstrain(glob_c, to_guide(message.q))
             report_keys = noise_keys(report_key, num_particles)
             if local_solver == "natural":
-                points = _sigma_points(message.q)
-                elbo, grad_theta = data_grad_at_points(points, message.theta, data)
+                elbo, grad_theta = data_grad_at_points(
+                    message.q, message.theta, state.eta_local, report_keys, data
+                )
             else:
                 elbo, grad_theta = data_grad(
                     glob0, state.eta_local, message.theta, report_keys, data
@@ -470,6 +530,8 @@ def pvi(
 
     # ---------------------------------------------------------------- the silo
     def optim_init(eta_local: dict) -> Any:
+        if local_solver == "natural":  # the optimizer moves the local guide only
+            return local_optim.init(eta_local)
         # Any valid global parameters of the right shapes: optax's states depend on
         # shapes only for the optimizers PVI is used with.
         glob = {"loc": jnp.zeros(dim, dtype), "scale": jnp.ones(dim, dtype)}

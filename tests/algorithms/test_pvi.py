@@ -409,8 +409,8 @@ def test_default_sequential_many_small_silos_does_not_collapse():
 
 
 def test_default_local_solver_follows_the_model_and_the_optimizer():
-    """Natural without local latents and without a given optimizer; Adam when the
-    user gives one (they mean it to be used) or the model has local latents."""
+    """Natural, except without local latents and with a given optimizer (the user
+    means it for q); with local latents the optimizer fits the local guide."""
     assert nf.PVI(FED).solver is None  # not known before set-up
     given = nf.PVI(FED, local_optim=optax.adam(1e-2), local_steps=1)
     given.init(jax.random.key(0), DATA)
@@ -423,4 +423,7 @@ def test_default_local_solver_follows_the_model_and_the_optimizer():
     y = np.random.default_rng(0).normal(size=(9, 4))
     local = nf.PVI(fed, local_steps=1)
     local.init(jax.random.key(0), nf.FederatedData.from_groups(groups, y=y))
-    assert local.solver == "adam"
+    assert local.solver == "natural"  # the optimizer moves the local guide only
+    given = nf.PVI(fed, local_optim=optax.adam(1e-2), local_steps=1)
+    given.init(jax.random.key(0), nf.FederatedData.from_groups(groups, y=y))
+    assert given.solver == "natural"

@@ -75,6 +75,35 @@ def test_local_latents_recover_the_exact_hierarchical_posterior():
     assert result.state.silos.factor.h.shape == (3, 1)
 
 
+def test_local_latents_with_many_small_silos_do_not_collapse():
+    """Issue 19, fault 6 with local latents: sequential PVI over 200 one-group silos.
+    With Adam on q (the old default here) each silo moved q by fixed-size steps
+    however little its group says, and q ended too narrow (2,000 silos: sd 0.0014
+    against the exact 0.024); the natural solver moves q by the silo's own
+    information while Adam fits only the silo's local guide. Asking for Adam here
+    warns."""
+    J = 200
+    y = np.random.default_rng(0).normal(size=(J, 3)) + 1.5
+    fed = nf.federate(m.normal_normal, silos="group")
+    data = nf.FederatedData.from_groups(np.arange(J), y=y)
+    guide = nf.AutoStructured(fed, global_cov="diag", coupling=True)
+    pvi = nf.PVI(fed, guide, schedule="sequential")
+    result = pvi.run(jax.random.key(0), 150, data, progress_bar=False)
+    assert pvi.solver == "natural"
+    mean, cov = m.normal_normal_posterior(y)
+    sd = np.sqrt(cov[0, 0])
+    # Polyak average of the last 50 passes: the local guides' Adam steps are noisy.
+    locs, variances = jax.vmap(to_moments)(
+        jax.tree.map(lambda x: x[-50:], result.history["q"])
+    )
+    assert abs(float(jnp.mean(locs)) - mean[0]) < 0.2 * sd
+    assert abs(float(jnp.sqrt(jnp.mean(variances))) / sd - 1) < 0.03
+    with pytest.warns(UserWarning, match="local_solver='adam'.*200 silos"):
+        nf.PVI(fed, guide, schedule="sequential", local_solver="adam").init(
+            jax.random.key(0), data
+        )
+
+
 def scale_model(y):
     mu = numpyro.sample("mu", dist.Normal(0.0, 5.0))
     sigma = numpyro.sample("sigma", dist.HalfCauchy(2.0))
