@@ -18,6 +18,16 @@ import jax.numpy as jnp
 from jax.tree_util import register_pytree_node_class
 import numpy as np
 
+from numpyro_fed.stacking import (
+    check_min_silo_size,
+    check_rows,
+    check_silo,
+    group_rows,
+    pad_silo,
+    stack_rows,
+    unit_ids,
+)
+
 __all__ = ["FederatedData", "split_dirichlet", "split_iid", "split_label_skew"]
 
 _MAX_DIRICHLET_ATTEMPTS = 1000
@@ -55,63 +65,6 @@ def _index(x: jax.Array, ids: "_StaticIds", which: str) -> jax.Array:
 @partial(jax.jit, static_argnums=(1, 2))
 def _unpad(x: jax.Array, j: int, shape: tuple[int, ...]) -> jax.Array:
     return x[(j, *(slice(0, n) for n in shape))]
-
-
-def _check_silo(silo: Mapping[str, Any], where: str) -> dict[str, np.ndarray]:
-    """One silo's arrays as numpy, validated."""
-    arrays = {name: np.asarray(value) for name, value in silo.items()}
-    if not arrays:
-        raise ValueError(f"{where} has no arrays.")
-    for name, x in arrays.items():
-        if x.ndim == 0:
-            raise ValueError(
-                f"Array {name!r} of {where} is a scalar: split arrays need the silo "
-                "plate as their leading axis (bind constants to the model instead)."
-            )
-        if x.dtype.kind not in "biufc":
-            raise ValueError(f"Array {name!r} of {where} is not numeric ({x.dtype}).")
-        if x.dtype.kind in "fc" and not np.isfinite(x).all():
-            bad = x.size - int(np.count_nonzero(np.isfinite(x)))
-            raise ValueError(
-                f"Array {name!r} of {where} has {bad} non-finite (NaN or inf) entries; "
-                "clean or impute them (or drop those units) before federating."
-            )
-    lengths = {name: x.shape[0] for name, x in arrays.items()}
-    if len(set(lengths.values())) > 1:
-        raise ValueError(f"Arrays of {where} disagree on the leading axis: {lengths}.")
-    if next(iter(lengths.values())) == 0:
-        raise ValueError(f"{where} holds no data (0 units along the leading axis).")
-    return arrays
-
-
-def _check_min_silo_size(sizes: list, minimum: int | None, where: list) -> None:
-    if minimum is None:
-        return
-    if isinstance(minimum, bool) or not isinstance(minimum, (int, np.integer)):
-        raise ValueError(f"min_silo_size must be None or an int, got {minimum!r}.")
-    small = [f"{w} holds {n}" for w, n in zip(where, sizes, strict=True) if n < minimum]
-    if small:
-        raise ValueError(
-            f"{'; '.join(small[:5])}{' ...' if len(small) > 5 else ''} unit(s), below "
-            f"min_silo_size={minimum}: its messages would be functions of that few "
-            "units' data. Merge small silos or leave them out."
-        )
-
-
-def _pad(x: np.ndarray, shape: tuple[int, ...], name: str, silo: int) -> np.ndarray:
-    """Pad ``x`` to ``shape``: False for booleans, else the edge along nested axes
-    and the silo's first unit along the unit axis."""
-    widths = [(0, t - s) for s, t in zip(x.shape, shape, strict=True)]
-    if x.dtype == np.bool_:
-        return np.pad(x, widths)
-    try:
-        x = np.pad(x, [(0, 0)] + widths[1:], mode="edge")
-    except ValueError as error:
-        raise ValueError(
-            f"Array {name!r} of silo {silo} has an empty nested axis to pad: shape "
-            f"{x.shape}, padded to {shape}."
-        ) from error
-    return np.concatenate([x, np.repeat(x[:1], shape[0] - x.shape[0], axis=0)])
 
 
 @register_pytree_node_class
@@ -215,15 +168,23 @@ class FederatedData:
                     "arrays need the silo plate as their leading axis)."
                 )
         arrays = {name: np.asarray(value) for name, value in arrays.items()}
-        labels = np.unique(groups)
-        rows = [np.flatnonzero(groups == label) for label in labels]
-        where = [f"silo {j} (label {g!r})" for j, g in enumerate(labels.tolist())]
-        _check_min_silo_size([len(r) for r in rows], min_silo_size, where)
-        silos = [
-            _check_silo({k: v[r] for k, v in arrays.items()}, w)
-            for w, r in zip(where, rows, strict=True)
-        ]
-        return cls._stack(silos, rows, pad_to)
+        labels, order, sizes = group_rows(groups)
+
+        def name(j: int) -> str:
+            return f"silo {j} (label {labels[j].item()!r})"
+
+        check_min_silo_size(sizes, min_silo_size, name)
+        silo_of_row = np.empty(len(groups), np.intp)
+        silo_of_row[order] = np.repeat(np.arange(len(sizes)), sizes)
+        check_rows(arrays, silo_of_row, name)
+        ids = unit_ids(sizes, _padded_size(sizes, pad_to), order)
+        stacked = {k: stack_rows(v, ids) for k, v in arrays.items()}
+        # One shapes tuple per distinct silo size, shared by the silos of that size.
+        shared = {
+            n: tuple((n, *v.shape[1:]) for v in arrays.values())
+            for n in set(sizes.tolist())
+        }
+        return cls._finish(stacked, ids, tuple(shared[n] for n in sizes.tolist()))
 
     @classmethod
     def from_silos(
@@ -276,46 +237,42 @@ class FederatedData:
                     f"Silo {j} has different arrays from silo 0: missing {missing}, "
                     f"extra {extra}."
                 )
-            checked.append(_check_silo({k: silo[k] for k in names}, f"silo {j}"))
-        lengths = [len(s[names[0]]) for s in checked]
-        _check_min_silo_size(
-            lengths, min_silo_size, [f"silo {j}" for j in range(len(lengths))]
-        )
-        ends = np.cumsum([0] + lengths)
-        rows = [np.arange(a, b) for a, b in zip(ends[:-1], ends[1:], strict=True)]
-        return cls._stack(checked, rows, pad_to)
-
-    @classmethod
-    def _stack(cls, silos: list, rows: list, pad_to: int | None) -> "FederatedData":
-        names = tuple(silos[0])
-        sizes = tuple(len(r) for r in rows)
-        units = max(sizes)
-        if pad_to is not None and pad_to < units:
-            raise ValueError(f"pad_to={pad_to} is below the largest silo ({units}).")
-        units = max(units, int(pad_to or 0))
-        tails, dtypes = {}, {}
+            checked.append(check_silo({k: silo[k] for k in names}, f"silo {j}"))
+        sizes = np.array([len(s[names[0]]) for s in checked])
+        check_min_silo_size(sizes, min_silo_size, lambda j: f"silo {j}")
+        ids = unit_ids(sizes, _padded_size(sizes, pad_to), np.arange(sizes.sum()))
+        stacked = {}
         for k in names:
-            parts = [s[k] for s in silos]
+            parts = [s[k] for s in checked]
             if len({(p.ndim, p.dtype == np.bool_) for p in parts}) > 1:
                 raise ValueError(
                     f"Array {k!r} differs across silos in its number of axes or in "
                     f"being boolean: {[(p.shape, str(p.dtype)) for p in parts]}."
                 )
-            tails[k] = tuple(np.max([p.shape[1:] for p in parts], axis=0).tolist())
-            dtypes[k] = np.result_type(*parts)
-        stacked = {}
-        for k in names:
-            shape = (units, *tails[k])
-            parts = [s[k].astype(dtypes[k]) for s in silos]
-            stacked[k] = jnp.asarray(
-                np.stack([_pad(x, shape, k, j) for j, x in enumerate(parts)])
-            )
-        ids = np.full((len(silos), units), -1, np.int32)
-        for j, r in enumerate(rows):
-            ids[j, : len(r)] = r
-        shapes = tuple(tuple(s[k].shape for k in names) for s in silos)
-        static = (sizes, names, shapes, sum(sizes), _StaticIds(ids))
-        return cls(stacked, jnp.asarray(ids >= 0), jnp.asarray(ids), static)
+            dtype = np.result_type(*parts)
+            tails = {p.shape[1:] for p in parts}
+            if len(tails) == 1:  # the common case: one gather, no per-silo loop
+                pooled = np.concatenate([p.astype(dtype, copy=False) for p in parts])
+                stacked[k] = stack_rows(pooled, ids)
+            else:
+                shape = (ids.shape[1], *np.max(list(tails), axis=0).tolist())
+                stacked[k] = np.stack(
+                    [
+                        pad_silo(p.astype(dtype), shape, k, j)
+                        for j, p in enumerate(parts)
+                    ]
+                )
+        shapes = tuple(tuple(s[k].shape for k in names) for s in checked)
+        return cls._finish(stacked, ids, shapes)
+
+    @classmethod
+    def _finish(cls, stacked: dict, ids: np.ndarray, shapes: tuple) -> "FederatedData":
+        """The data from the stacked numpy arrays, the ``(J, P)`` unit ids and each
+        silo's own array shapes."""
+        sizes = tuple(np.count_nonzero(ids >= 0, axis=1).tolist())
+        static = (sizes, tuple(stacked), shapes, sum(sizes), _StaticIds(ids))
+        arrays = {k: jnp.asarray(v) for k, v in stacked.items()}
+        return cls(arrays, jnp.asarray(ids >= 0), jnp.asarray(ids), static)
 
     @property
     def num_silos(self) -> int:
@@ -425,6 +382,14 @@ class FederatedData:
             return _index(x, self._ids, "scatter")
 
         return jax.tree.map(scatter, pooled)
+
+
+def _padded_size(sizes: np.ndarray, pad_to: int | None) -> int:
+    """``P``: the largest silo's size, or ``pad_to`` when larger."""
+    units = int(sizes.max())
+    if pad_to is not None and pad_to < units:
+        raise ValueError(f"pad_to={pad_to} is below the largest silo ({units}).")
+    return max(units, int(pad_to or 0))
 
 
 def _labels(labels: Sequence[Any], num_silos: int) -> np.ndarray:
