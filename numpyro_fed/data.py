@@ -62,9 +62,13 @@ def _index(x: jax.Array, ids: "_StaticIds", which: str) -> jax.Array:
     return x[getattr(ids, which)]
 
 
-@partial(jax.jit, static_argnums=(1, 2))
-def _unpad(x: jax.Array, j: int, shape: tuple[int, ...]) -> jax.Array:
-    return x[(j, *(slice(0, n) for n in shape))]
+# One compiled program per silo shape, whatever the silo index.
+@partial(jax.jit, static_argnums=2)
+def _unpad(arrays: tuple, j: jax.Array, shapes: tuple) -> tuple:
+    return tuple(
+        x[(j, *(slice(0, n) for n in shape))]
+        for x, shape in zip(arrays, shapes, strict=True)
+    )
 
 
 @register_pytree_node_class
@@ -328,11 +332,9 @@ class FederatedData:
         j = operator.index(j)
         if not -self.num_silos <= j < self.num_silos:
             raise IndexError(f"silo {j} is out of range for {self.num_silos} silos.")
-        shapes = self._shapes[j % self.num_silos]
-        return {
-            k: _unpad(self.arrays[k], j % self.num_silos, shape)
-            for k, shape in zip(self._names, shapes, strict=True)
-        }
+        j = j % self.num_silos
+        arrays = tuple(self.arrays[k] for k in self._names)
+        return dict(zip(self._names, _unpad(arrays, j, self._shapes[j]), strict=True))
 
     def pooled(self) -> dict[str, jax.Array]:
         """All silos' real units in pooled order (for NUTS or centralized SVI).

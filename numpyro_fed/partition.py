@@ -210,14 +210,20 @@ def _check_global_shapes(model, roles, trace, arrays, args, kwargs) -> None:
     """Global sites must not change with the number of units: run the model on one
     and on two units (silo 0's first, repeated). Each run is seeded alike, so global
     sites of equal shapes take equal values."""
+    names = roles.global_sites + roles.param_sites + roles.factor_sites
     runs = {len(next(iter(arrays.values()))): trace}
     for units in (1, 2):
+        # numpy: eager jnp.repeat would compile a program per array.
         few = {
-            k: jnp.repeat(jnp.asarray(v)[:1], units, axis=0) for k, v in arrays.items()
+            k: np.repeat(np.asarray(v)[:1], units, axis=0) for k, v in arrays.items()
         }
-        runs[units] = _trace(model, few, args, kwargs)
+        if roles.factor_sites:  # their values are compared: run the model
+            few = {k: jnp.asarray(v) for k, v in few.items()}
+            runs[units] = _trace(model, few, args, kwargs)
+        else:
+            runs[units] = _abstract_run(model, names, few, args, kwargs)
     plate = roles.silo_plate
-    for name in roles.global_sites + roles.param_sites + roles.factor_sites:
+    for name in names:
         shapes = {n: tuple(jnp.shape(t[name]["value"])) for n, t in runs.items()}
         if len(set(shapes.values())) > 1:
             where = ", ".join(
@@ -238,6 +244,21 @@ def _check_global_shapes(model, roles, trace, arrays, args, kwargs) -> None:
                 "terms without data. Move it inside the plate (a likelihood term of "
                 "the units) or make it a function of global sites only."
             )
+
+
+def _abstract_run(model, names, arrays, args, kwargs) -> dict:
+    """``{name: {"value": shape}}`` of the named sites on ``arrays``, traced
+    abstractly (nothing compiles); run eagerly when the model needs concrete values
+    (Python control flow on data)."""
+
+    def values(arrays: dict) -> dict:
+        trace = _trace(model, arrays, args, kwargs)
+        return {name: {"value": trace[name]["value"]} for name in names}
+
+    try:
+        return jax.eval_shape(values, arrays)
+    except Exception:  # the eager run raises the model's own error, if any
+        return values({k: jnp.asarray(v) for k, v in arrays.items()})
 
 
 def analyze_call(model: Callable, args: tuple, kwargs: dict) -> ModelRoles:

@@ -13,6 +13,7 @@ block per child, school or row), so the family does not change when units move
 between silos: that is what makes SFVI partition-invariant.
 """
 
+from functools import partial
 from typing import Any, Callable
 
 import jax
@@ -68,7 +69,12 @@ def gaussian_log_density(z, loc, scale, tril, mask=None):
 def _padded_silo(data: Any) -> dict:
     """Silo 0's units in the common padded layout: the local sites' shapes as every
     silo step sees them (ragged nested axes at their padded size)."""
-    return {k: v[0, : data.sizes[0]] for k, v in data.arrays.items()}
+    return _first_units(dict(data.arrays), data.sizes[0])
+
+
+@partial(jax.jit, static_argnums=1)
+def _first_units(arrays: dict, size: int) -> dict:
+    return {k: v[0, :size] for k, v in arrays.items()}
 
 
 class AutoStructured:

@@ -38,7 +38,7 @@ from numpyro_fed.runtime import (
 )
 from numpyro_fed.runtime.checkpoint import RunCheckpoints, concat_rounds
 from numpyro_fed.runtime.remote import Federation
-from numpyro_fed.runtime.simulate import contacted_silos
+from numpyro_fed.runtime.simulate import contacted_silos, init_states
 from numpyro_fed.util import all_finite, take, tree_where
 
 __all__ = ["Driver", "FederatedState", "RunResult"]
@@ -249,15 +249,14 @@ class Driver:
         :return: the initial state.
         """
         algorithm, _ = self._build(data)
-        rng_key, server_key, silo_key = jax.random.split(rng_key, 3)
         if init_params is not None:
             server, silos = self._from_params(init_params, data)
+            rng_key = jax.random.split(rng_key, 3)[0]
         else:
-            server = jax.jit(algorithm.init_server)(server_key)
-            silo_keys = jax.random.split(silo_key, data.num_silos)
-            silos = jax.jit(jax.vmap(algorithm.init_silo))(
-                silo_keys, self._silo_data(data)
-            )
+            key = ("init", self._layout(data))
+            if key not in self._built:  # the keys and all states: one program
+                self._built[key] = jax.jit(init_states(algorithm, data.num_silos))
+            server, silos, rng_key = self._built[key](rng_key, self._silo_data(data))
         # Strong dtypes: weak-typed leaves would make the jitted round recompile.
         return jax.tree.map(
             lambda x: jnp.asarray(x, x.dtype) if hasattr(x, "dtype") else x,

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData, select_all
 from numpyro_fed.util import rows_where
 
-__all__ = ["contacted_silos", "simulate_round", "vmap_silos"]
+__all__ = ["contacted_silos", "init_states", "simulate_round", "vmap_silos"]
 
 
 def contacted_silos(
@@ -85,3 +85,23 @@ def simulate_round(
         server_state, replies, server_key, contacted
     )
     return server_state, new_states, info
+
+
+def init_states(algorithm: FederatedAlgorithm, num_silos: int) -> Any:
+    """
+    ``init(rng_key, silo_data) -> (server_state, silo_states, next_rng_key)``: the
+    server's and every silo's initial state, the silos' under :func:`jax.vmap`, from
+    the keys ``jax.random.split(rng_key, 3)`` (next, server, silos). Jit it whole:
+    one compiled program instead of one per key split and per side.
+
+    :param FederatedAlgorithm algorithm: the algorithm.
+    :param int num_silos: ``J``.
+    """
+
+    def init(rng_key: jax.Array, silo_data: SiloData) -> tuple[Any, Any, jax.Array]:
+        rng_key, server_key, silo_key = jax.random.split(rng_key, 3)
+        silo_keys = jax.random.split(silo_key, num_silos)
+        server = algorithm.init_server(server_key)
+        return server, jax.vmap(algorithm.init_silo)(silo_keys, silo_data), rng_key
+
+    return init
