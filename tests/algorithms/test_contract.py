@@ -294,3 +294,22 @@ def test_events_runtime_runs_it(prepared):
     )(server, silos, silo_data, schedule, silo_keys)
     assert np.shape(infos.loss) == (case.data.num_silos,)
     assert bool(all_finite((server, silos)))
+
+
+def test_summed_replies_equal_the_per_silo_path(prepared):
+    """An algorithm that offers ``reduce_silos`` (SFVI) gives the same round, to
+    rounding, as its replies stepped one per silo and summed by the server: with
+    every silo, with some, and with one silo's data non-finite (the sum is then
+    recomputed per silo, so only that silo is left out)."""
+    algorithm = prepared.case.algorithm
+    if algorithm.reduce_silos is None:
+        pytest.skip("the algorithm's server does not read a sum of the replies")
+    server, silos, silo_data, server_key, silo_keys = prepared.args
+    per_silo = jax.jit(partial(simulate_round, algorithm, reduce=False))
+    some = jnp.arange(prepared.case.data.num_silos) != 0
+    bad = prepared.case.poison(silo_data, 1)
+    for data, participating in ((silo_data, None), (silo_data, some), (bad, None)):
+        args = (server, silos, data, server_key, silo_keys, participating)
+        summed = prepared.round_fn(*args)
+        m.tree_allclose(summed, per_silo(*args), rtol=1e-12, atol=1e-14)
+    assert np.asarray(summed[2].rejected).tolist() == [False, True, False]
