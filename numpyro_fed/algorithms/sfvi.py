@@ -2,13 +2,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """SFVI: structured federated variational inference (Hassan et al., Algorithm 1).
 
-Each round the server draws :math:`\\epsilon_G` and broadcasts it with
-:math:`(\\theta, \\eta_G)`; every silo draws its own :math:`\\epsilon_{L_j}`, takes one
-optimizer step on its local parameters :math:`\\eta_{L_j}` and returns only the
-gradients of its term :math:`\\widehat{\\mathcal L}_j` with respect to
-:math:`(\\theta, \\eta_G)`; the server adds the gradient of its own term
-:math:`\\widehat{\\mathcal L}_0 = \\log p_\\theta(z_G) - \\log q_{\\eta_G}(z_G)` (which
-the paper's box omits) and steps :math:`(\\theta, \\eta_G)`. The summed gradient is
+Each round the server draws :math:`\\epsilon_G` and broadcasts it (as the keys it
+drew it from) with :math:`(\\theta, \\eta_G)`; every silo draws its own
+:math:`\\epsilon_{L_j}`, takes one optimizer step on its local parameters
+:math:`\\eta_{L_j}` and returns only the gradients of its term
+:math:`\\widehat{\\mathcal L}_j` with respect to :math:`(\\theta, \\eta_G)`; the server
+adds the gradient of its own term :math:`\\widehat{\\mathcal L}_0 = \\log p_\\theta(z_G)
+- \\log q_{\\eta_G}(z_G)` (which the paper's box omits) and steps :math:`(\\theta, \\eta_G)`. The summed gradient is
 exactly the centralized (STL) ELBO gradient (Supplement S1, eqs. S4-S8), so SFVI is
 centralized VI computed where the data live.
 """
@@ -70,12 +70,14 @@ class SFVIServerMessage(NamedTuple):
 
     - **theta** - unconstrained :math:`\\theta`.
     - **eta_global** - unconstrained :math:`\\eta_G`.
-    - **eps_global** - :math:`\\epsilon_G`, one row per particle, shared by all silos.
+    - **global_keys** - the server's keys of :math:`\\epsilon_G`, one per particle:
+      every silo draws the same :math:`\\epsilon_G` from them (a key is smaller than
+      the draw it stands for, and it is the server's own randomness).
     """
 
     theta: dict
     eta_global: dict
-    eps_global: jax.Array
+    global_keys: jax.Array
 
 
 class SFVISiloMessage(NamedTuple):
@@ -146,8 +148,10 @@ def sfvi(
         return SFVISiloState(eta_local, optimizer.init(eta_local))
 
     def server_message(state: SFVIServerState, keys: jax.Array) -> Message:
-        eps = jax.vmap(guide.global_noise)(keys)
-        return Message(SFVIServerMessage(state.theta, state.eta_global, eps))
+        return Message(SFVIServerMessage(state.theta, state.eta_global, keys))
+
+    def global_noise(message: SFVIServerMessage) -> jax.Array:
+        return jax.vmap(guide.global_noise)(message.global_keys)
 
     def silo_term(theta_u, eta_g_u, eta_l_u, eps_g, key, data: SiloData):
         eta_g = constrain(global_constraints, eta_g_u)
@@ -181,7 +185,7 @@ def sfvi(
             message.theta,
             message.eta_global,
             state.eta_local,
-            message.eps_global,
+            global_noise(message),
             keys,
             data,
         )
@@ -199,11 +203,12 @@ def sfvi(
         # the global draw and its transforms runs once, not once per silo.
         message = message.broadcast
         silo_objective = mean_over_particles(silo_term)
+        eps = global_noise(message)
 
         def summed(theta_u, eta_g_u, eta_locals):
             elbos = jax.vmap(
                 lambda eta_l, k, d: silo_objective(
-                    theta_u, eta_g_u, eta_l, message.eps_global, k, d
+                    theta_u, eta_g_u, eta_l, eps, k, d
                 )
             )(eta_locals, keys, data)
             return jnp.sum(jnp.where(contacted, elbos, 0.0))
