@@ -121,15 +121,19 @@ def serve(
     Each round the server asks the nodes it has not seen which silo they serve,
     forgets nodes that left the grid, contacts the silos that ``select`` names and
     that have a node, and applies the replies that arrive within ``round_timeout``;
-    a silo without a reply did not take part in that round.
+    a silo without a reply did not take part in that round. With
+    ``federation.schedule`` a round is one pass of events (the sequential and
+    asynchronous schedules): the server contacts one silo at a time in the pass's
+    order, each with the message of the pass's staleness, and steps on each reply.
 
     :param Grid grid: the grid of ``@app.main()``.
     :param Federation federation: what every process agrees on.
-    :param int num_rounds: rounds to run.
+    :param int num_rounds: contract rounds to run (``federation.exchanges`` of them
+        make one round of the algorithm), or passes of events.
     :param str name: the fit's name, as the nodes' :func:`client_app` knows it.
     :param rng_key: the server's key (default: drawn at random).
-    :param float round_timeout: seconds to wait for a round's replies; a late reply
-        is dropped. ``None`` waits for all.
+    :param float round_timeout: seconds to wait for a round's replies (an event's
+        reply, in a pass of events); a late reply is dropped. ``None`` waits for all.
     :param float node_timeout: seconds to wait for every silo's node at the start.
     :param on_round: called as ``on_round(t, info)`` after each round.
     :param int checkpoint_every: write the server state and key to
@@ -169,18 +173,24 @@ def serve(
         nodes = _find_silos(grid, name, num_silos, 0.0, nodes)
         available = np.zeros(num_silos, bool)
         available[list(nodes)] = True
-        flat, round_ = server.messages(state, key, available)
         config = {"name": name, "round": t, "start": start, "every": every or 0}
-        replies = _exchange(grid, config, flat, nodes, round_timeout)
+
+        def exchange(flat, nodes=nodes, config=config):
+            return _exchange(grid, config, flat, nodes, round_timeout)
+
         try:
-            state, key, info = server.apply(state, round_, replies)
+            state, key, info, contacted_t = server.round(
+                state, key, available, exchange, t
+            )
         except TemplateMismatch as error:
             raise TemplateMismatch(
                 f"round {t}: {error} (nodes: {_named(nodes)}); nothing was applied."
             ) from None
-        _warn_rejected(t, np.asarray(info.rejected), nodes)
+        rejected = np.asarray(info.rejected)
+        rejected = rejected.any(0) if rejected.ndim > 1 else rejected  # a pass
+        _warn_rejected(t, rejected, nodes)
         infos.append(info)
-        contacted.append(np.isin(np.arange(num_silos), list(flat)))
+        contacted.append(contacted_t)
         if every is not None and (t + 1) % every == 0:
             state_and_key = {"server": state, "rng_key": key}
             save_checkpoint(checkpoint_dir, state_and_key, step=t + 1, meta=meta)
@@ -189,7 +199,9 @@ def serve(
     run = FlowerRun(state, infos, dict(nodes))
     if infos:
         history = {
-            "rejected": np.stack([np.asarray(i.rejected) for i in infos]),
+            "rejected": np.stack(
+                [np.asarray(i.rejected).reshape(-1, num_silos).any(0) for i in infos]
+            ),
             "contacted": np.stack(contacted),
         }
         labels = [f"silo {j} (node {nodes.get(j)})" for j in range(num_silos)]
@@ -369,7 +381,8 @@ def client_app(
 
     :param make_federation: ``context -> Federation`` (the same on every process).
     :param load_silo: ``context -> (silo index, SiloData)``: the node's own data,
-        padded to the federation's layout; called once per node and process.
+        padded to the federation's layout of that silo; called once per node and
+        process.
     :param dict fits: instead of the two above, ``{name: (make_federation,
         load_silo)}`` for a node that serves several fits (the server's
         :func:`serve` names the fit in each message).
@@ -400,7 +413,8 @@ def client_app(
         if cache_key not in silos:
             index, data = load(context)
             federation = federations[context.run_id, name]
-            silo = RemoteSilo(federation, data, _root(context, root_key, name))
+            root = _root(context, root_key, name)
+            silo = RemoteSilo(federation, data, root, silo=int(index))
             silos[cache_key] = (int(index), silo)
         return silos[cache_key]
 
