@@ -90,11 +90,14 @@ class FlowerRun(NamedTuple):
     - **state** - the final server state.
     - **infos** - the server's info of every round run.
     - **nodes** - ``{silo: node id}`` at the end.
+    - **missing** - per round, ``{silo: node id}`` of the silos contacted whose
+      reply did not come (a node that failed, left or missed ``round_timeout``).
     """
 
     state: Any
     infos: list
     nodes: dict
+    missing: list
 
 
 # ------------------------------------------------------------------- server side
@@ -168,15 +171,18 @@ def serve(
             checkpoint_dir, {"server": state, "rng_key": key}, expect_meta=meta
         )
         state, key = saved["server"], saved["rng_key"]
-    infos, contacted = [], []
+    infos, contacted, missing = [], [], []
     for t in range(start, num_rounds):
         nodes = _find_silos(grid, name, num_silos, 0.0, nodes)
         available = np.zeros(num_silos, bool)
         available[list(nodes)] = True
         config = {"name": name, "round": t, "start": start, "every": every or 0}
+        missing.append({})
 
-        def exchange(flat, nodes=nodes, config=config):
-            return _exchange(grid, config, flat, nodes, round_timeout)
+        def exchange(flat, nodes=nodes, config=config, lost=missing[-1]):
+            replies = _exchange(grid, config, flat, nodes, round_timeout)
+            lost.update({j: nodes[j] for j in flat if j not in replies})
+            return replies
 
         try:
             state, key, info, contacted_t = server.round(
@@ -196,7 +202,7 @@ def serve(
             save_checkpoint(checkpoint_dir, state_and_key, step=t + 1, meta=meta)
         if on_round is not None:
             on_round(t, info)
-    run = FlowerRun(state, infos, dict(nodes))
+    run = FlowerRun(state, infos, dict(nodes), missing)
     if infos:
         history = {
             "rejected": np.stack(
@@ -320,9 +326,9 @@ def _exchange(
     missing = sorted(set(flat) - set(replies))
     if missing:
         logger.warning(
-            "round %d: no reply from silos %s; they do not take part in it.",
+            "round %d: no reply from %s; they do not take part in it.",
             round_index,
-            missing,
+            ", ".join(f"silo {j} (node {nodes[j]})" for j in missing),
         )
     return replies
 
