@@ -111,7 +111,9 @@ class VerticalFamily:
         raw: dict = {}
         if d:
             raw["loc"] = jnp.zeros(d)
-            raw["scale"] = jnp.full((d,), _softplus_inv(self.init_scale))
+            # a strong dtype (not a Python float's weak one): a round that returns
+            # it strongly typed would otherwise compile a second time
+            raw["scale"] = jnp.full((d,), _softplus_inv(self.init_scale), float)
             if self.theta_cov == "full":
                 raw["tril"] = jnp.zeros((d, d))
         raw["param"] = {
@@ -125,7 +127,7 @@ class VerticalFamily:
             rows, shape = self._z_full_shape(owner)
             base = jnp.zeros(shape) if u is None else jnp.broadcast_to(u, shape)
             raw["z_loc"] = base
-            raw["z_scale"] = jnp.full(shape, _softplus_inv(rho))
+            raw["z_scale"] = jnp.full(shape, _softplus_inv(rho), float)
         else:
             sizes = (self.num_inputs(),) + self.hidden + (2,)
             keys = jax.random.split(key, len(sizes) - 1)
