@@ -313,18 +313,11 @@ def federated_potential(model: Callable, data: Any) -> FederatedPotential:
                 f"its value (shape {spec.shape}); samplers need the silo plate to be "
                 "the value's leading axis."
             )
-    ragged = nested_sizes(model, data, roles)
-    if ragged:
-        raise NotImplementedError(
-            f"Plate(s) {sorted(ragged)} nested in the silo plate {roles.silo_plate!r} "
-            "are ragged across silos; the samplers do not mask their padding yet. "
-            "Use SFVI or PVI, or give the silos equal nested sizes."
-        )
     return FederatedPotential(
         model,
         roles,
         tuple(specs[n] for n in roles.global_sites),
         tuple(specs[n] for n in roles.local_sites),
-        ragged,
+        nested_sizes(model, data, roles),
         data_template(data.silo(0)),
     )
