@@ -30,6 +30,8 @@ __all__ = [
     "server_log_density",
     "silo_log_density",
     "silo_mask",
+    "site_log_prob",
+    "sum_log_probs",
 ]
 
 
@@ -77,18 +79,43 @@ def _in_plate(site: dict, plate: str) -> bool:
     return any(frame.name == plate for frame in site["cond_indep_stack"])
 
 
-def _sum_log_probs(
+def site_log_prob(site: dict, observed_fn: Callable | None = None) -> jax.Array:
+    """
+    A traced sample site's summed log density, with its mask and scale (as in
+    ``numpyro.infer.util.log_density``).
+
+    :param dict site: a ``sample`` site of a trace.
+    :param callable observed_fn: optional ``(site, log_prob) -> value`` applied to
+        an observed site's elementwise log-likelihood before the scale and the sum.
+    """
+    value, fn = site["value"], site["fn"]
+    if site.get("intermediates"):
+        log_prob = fn.log_prob(value, site["intermediates"])
+    else:
+        log_prob = fn.log_prob(value)
+    if observed_fn is not None and site["is_observed"]:
+        log_prob = observed_fn(site, log_prob)
+    if site.get("scale") is not None:
+        log_prob = site["scale"] * log_prob
+    return jnp.sum(log_prob)
+
+
+def sum_log_probs(
     trace: dict, keep: Callable[[dict], bool], observed_fn: Callable | None = None
 ) -> jax.Array:
+    """
+    The summed :func:`site_log_prob` of the sample sites of ``trace`` that ``keep``
+    selects: a silo's sites, the server's, or a vertical owner's.
+
+    :param dict trace: a model's trace (values substituted).
+    :param callable keep: ``site -> bool``.
+    :param callable observed_fn: as in :func:`site_log_prob`.
+    :return: a scalar.
+    """
     total = jnp.zeros(())
     for site in trace.values():
         if site["type"] == "sample" and keep(site):
-            log_prob = site["fn"].log_prob(site["value"])
-            if observed_fn is not None and site["is_observed"]:
-                log_prob = observed_fn(site, log_prob)
-            if site["scale"] is not None:
-                log_prob = site["scale"] * log_prob
-            total = total + jnp.sum(log_prob)
+            total = total + site_log_prob(site, observed_fn)
     return total
 
 
@@ -125,7 +152,7 @@ def silo_log_density(
     if mask is not None or nested:
         masked = silo_mask(masked, plate, mask, nested)
     trace = handlers.trace(masked).get_trace(*args, **(kwargs or {}), **arrays)
-    return _sum_log_probs(trace, lambda site: _in_plate(site, plate), observed_fn)
+    return sum_log_probs(trace, lambda site: _in_plate(site, plate), observed_fn)
 
 
 def server_log_density(
@@ -151,7 +178,7 @@ def server_log_density(
     # Local sites are drawn from their prior (values unused); the key is fixed.
     model = handlers.seed(handlers.substitute(model, data=values), jax.random.key(0))
     trace = handlers.trace(model).get_trace(*args, **(kwargs or {}), **template)
-    return _sum_log_probs(trace, lambda site: not _in_plate(site, plate))
+    return sum_log_probs(trace, lambda site: not _in_plate(site, plate))
 
 
 def real_entries(

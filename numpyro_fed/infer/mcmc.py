@@ -421,10 +421,7 @@ class FSGLD(MCMCKernel):
         pot = self.potential(data)
         shapes = {s.name: s.unconstrained_shape for s in pot.global_sites}
         shapes.update(
-            {
-                s.name: (data.num_silos,) + s.unconstrained_shape
-                for s in pot.local_sites
-            }
+            {s.name: (data.num_silos,) + s.unconstrained_shape for s in pot.local_sites}
         )
         expected = {k: jax.ShapeDtypeStruct(v, float) for k, v in shapes.items()}
         fix = "start the chain on these data (init, or a new MCMC run)"
