@@ -28,6 +28,7 @@ import numpy as np
 import numpyro.distributions as dist
 from numpyro.distributions import biject_to
 
+from numpyro_fed.densities import constrain_site
 from numpyro_fed.vertical.structure import SERVER, VerticalStructure
 
 __all__ = ["VerticalFamily"]
@@ -190,10 +191,8 @@ class VerticalFamily:
             size = int(np.prod(spec.unconstrained_shape))
             x = flat[start : start + size].reshape(spec.unconstrained_shape)
             start += size
-            transform = biject_to(spec.support)
-            y = transform(x)
-            log_det = log_det + jnp.sum(transform.log_abs_det_jacobian(x, y))
-            values[name] = y
+            values[name], ld = constrain_site(spec.support, x)
+            log_det = log_det + jnp.sum(ld)
         return values, log_det
 
     def draw_latents(
