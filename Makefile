@@ -42,8 +42,9 @@ test-slow: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
 
+# Every benchmark with short settings, one table of ratios (benchmarks/results/quick/).
 bench: $(STAMP)
-	$(PY) benchmarks/sfvi_round.py
+	$(PY) benchmarks/run_all.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check numpyro_fed tests examples benchmarks

@@ -185,7 +185,7 @@ def main():
     parser.add_argument(
         "--step-cost-only",
         action="store_true",
-        help="rerun the step cost only; keep the stored accuracy-vs-time rows",
+        help="rerun the step cost only; keep the accuracy-vs-time rows stored in --out",
     )
     parser.add_argument("--repeats", type=int, default=15, help="timed repeats")
     parser.add_argument(
@@ -222,8 +222,10 @@ def main():
         "repeats": args.repeats,
     }
     if args.step_cost_only:
-        out = json.loads(Path(args.out).read_text())
+        path = Path(args.out)
+        out = json.loads(path.read_text()) if path.exists() else {}
         out["step_cost"], out["step_cost_meta"] = costs, meta
+        path.parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(out, indent=2))
         print(f"\nupdated the step cost in {args.out}")
         return

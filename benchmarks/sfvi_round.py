@@ -6,9 +6,12 @@ Benchmark: one SFVI round vs one centralized NumPyro SVI step
 
 A synthetic logistic GLMM (a random intercept per child, 4 visits, 4 covariates) with
 ``units_per_silo`` children in each of J silos. For J in (10, 100, 1000) it times one
-simulated SFVI round (all silos vmapped, the round jitted) and one step of NumPyro's
-``SVI`` with the same guide on the pooled data, in the same process, and reports
-their ratio. Wall-clock times are machine-dependent; the ratio is the result.
+simulated SFVI round (all silos vmapped, the round jitted; with the replies summed in
+one pull-back, the default, and one reply per silo) and one step of NumPyro's ``SVI``
+with the same guide on the pooled data, in the same process, and reports their
+ratios: one call at a time (dispatch included) and inside one compiled ``lax.scan``
+of ``--scan-length`` steps (pure compute). Wall-clock times are machine-dependent;
+the ratios are the result.
 
 Run: ``python benchmarks/sfvi_round.py`` (writes ``benchmarks/results/sfvi_round.json``).
 """
@@ -29,6 +32,9 @@ from numpyro.infer import SVI, Trace_ELBO
 import optax
 
 import numpyro_fed as nf
+from numpyro_fed.elbo import noise_keys
+from numpyro_fed.protocol import silo_data_of
+from numpyro_fed.runtime import simulate_round
 
 
 def model(X, y=None):
@@ -49,41 +55,79 @@ def synthetic(num_children, seed=0):
     return X.astype(np.float32), y
 
 
-def bench(num_silos, units_per_silo, repeats):
+def scanned(step, length):
+    """``length`` steps inside one compiled ``lax.scan``: pure compute, no dispatch."""
+
+    def many(state):
+        state, outs = jax.lax.scan(lambda s, _: step(s), state, None, length=length)
+        return state, outs
+
+    return jax.jit(many)
+
+
+def bench(num_silos, units_per_silo, repeats, scan_length):
     X, y = synthetic(num_silos * units_per_silo)
     groups = np.repeat(np.arange(num_silos), units_per_silo)
     data = nf.FederatedData.from_groups(groups, X=X, y=y)
     fed = nf.federate(model, silos="child")
 
     sfvi = nf.SFVI(fed, nf.AutoStructured(fed), optax.adam(1e-2))
-    sfvi_state = sfvi.init(jax.random.key(0), data)
-    sfvi_step = jax.jit(lambda s: sfvi.update(s, data))
+    state = sfvi.init(jax.random.key(0), data)
+    # The round as the runtime runs it, once with the silos' replies summed in one
+    # pull-back (the default) and once one reply per silo, with fixed keys.
+    summed = sfvi.federation(data).algorithm
+    per_silo = summed._replace(reduce_silos=None)
+    silo_data = silo_data_of(data)
+    server_key = noise_keys(jax.random.key(1), 1)
+    silo_keys = jnp.broadcast_to(server_key, (num_silos,) + server_key.shape)
+
+    def round_of(algorithm):
+        def step(states):
+            server, silos, info = simulate_round(
+                algorithm, *states, silo_data, server_key, silo_keys
+            )
+            return (server, silos), info.loss
+
+        return step
 
     pooled = data.pooled()
     svi = SVI(fed, nf.AutoStructured(fed), optax.adam(1e-2), Trace_ELBO())
     svi_state = svi.init(jax.random.key(0), **pooled)
-    svi_step = jax.jit(lambda s: svi.update(s, **pooled))
-    t_round, t_svi = interleaved_times(
-        [sfvi_step, svi_step], [sfvi_state, svi_state], repeats
+    svi_step = lambda s: svi.update(s, **pooled)  # noqa: E731
+    steps = [round_of(summed), round_of(per_silo), svi_step]
+    states = [(state.server, state.silos)] * 2 + [svi_state]
+    one = interleaved_times([jax.jit(f) for f in steps], states, repeats)
+    many = interleaved_times(
+        [scanned(f, scan_length) for f in steps],
+        states,
+        max(repeats // scan_length, 5),
     )
-    return {
-        "num_silos": num_silos,
-        "units": num_silos * units_per_silo,
-        "sfvi_round_ms": 1e3 * t_round,
-        "svi_step_ms": 1e3 * t_svi,
-        "ratio": t_round / t_svi,
-    }
+    many = [t / scan_length for t in many]
+    row = {"num_silos": num_silos, "units": num_silos * units_per_silo}
+    for mode, (t_sum, t_each, t_svi) in (("call", one), ("scan", many)):
+        row[f"{mode}_svi_step_ms"] = 1e3 * t_svi
+        row[f"{mode}_sfvi_round_ms"] = 1e3 * t_sum
+        row[f"{mode}_ratio"] = t_sum / t_svi
+        row[f"{mode}_per_silo_ratio"] = t_each / t_svi
+    return row
 
 
 def main(args):
-    rows = [bench(j, args.units_per_silo, args.repeats) for j in args.num_silos]
+    rows = [
+        bench(j, args.units_per_silo, args.repeats, args.scan_length)
+        for j in args.num_silos
+    ]
+    print("SFVI round / NumPyro SVI step; 'summed': the default simulated round")
+    print("(replies summed in one pull-back), 'per silo': one reply per silo")
     print(
-        f"{'J':>6} {'units':>7} {'SFVI round (ms)':>16} {'SVI step (ms)':>14} {'ratio':>7}"
+        f"{'J':>6} {'units':>7} {'SVI step ms':>12} {'summed':>7} {'per silo':>9} "
+        f"{'scan: summed':>13} {'per silo':>9}"
     )
     for r in rows:
         print(
-            f"{r['num_silos']:>6} {r['units']:>7} {r['sfvi_round_ms']:>16.3f} "
-            f"{r['svi_step_ms']:>14.3f} {r['ratio']:>7.2f}"
+            f"{r['num_silos']:>6} {r['units']:>7} {r['call_svi_step_ms']:>12.3f} "
+            f"{r['call_ratio']:>7.2f} {r['call_per_silo_ratio']:>9.2f} "
+            f"{r['scan_ratio']:>13.2f} {r['scan_per_silo_ratio']:>9.2f}"
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -103,5 +147,6 @@ if __name__ == "__main__":
     parser.add_argument("--num-silos", type=int, nargs="+", default=[10, 100, 1000])
     parser.add_argument("--units-per-silo", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=200)
+    parser.add_argument("--scan-length", type=int, default=20)
     parser.add_argument("--out", default="benchmarks/results/sfvi_round.json")
     main(parser.parse_args())

@@ -18,9 +18,21 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 from numpyro import handlers
+from numpyro.distributions import biject_to
 from numpyro.primitives import Messenger
 
-__all__ = ["data_template", "server_log_density", "silo_log_density", "silo_mask"]
+from numpyro_fed.partition import SiteSpec
+
+__all__ = [
+    "constrain_site",
+    "data_template",
+    "real_entries",
+    "server_log_density",
+    "silo_log_density",
+    "silo_mask",
+    "site_log_prob",
+    "sum_log_probs",
+]
 
 
 class silo_mask(Messenger):
@@ -67,18 +79,43 @@ def _in_plate(site: dict, plate: str) -> bool:
     return any(frame.name == plate for frame in site["cond_indep_stack"])
 
 
-def _sum_log_probs(
+def site_log_prob(site: dict, observed_fn: Callable | None = None) -> jax.Array:
+    """
+    A traced sample site's summed log density, with its mask and scale (as in
+    ``numpyro.infer.util.log_density``).
+
+    :param dict site: a ``sample`` site of a trace.
+    :param callable observed_fn: optional ``(site, log_prob) -> value`` applied to
+        an observed site's elementwise log-likelihood before the scale and the sum.
+    """
+    value, fn = site["value"], site["fn"]
+    if site.get("intermediates"):
+        log_prob = fn.log_prob(value, site["intermediates"])
+    else:
+        log_prob = fn.log_prob(value)
+    if observed_fn is not None and site["is_observed"]:
+        log_prob = observed_fn(site, log_prob)
+    if site.get("scale") is not None:
+        log_prob = site["scale"] * log_prob
+    return jnp.sum(log_prob)
+
+
+def sum_log_probs(
     trace: dict, keep: Callable[[dict], bool], observed_fn: Callable | None = None
 ) -> jax.Array:
+    """
+    The summed :func:`site_log_prob` of the sample sites of ``trace`` that ``keep``
+    selects: a silo's sites, the server's, or a vertical owner's.
+
+    :param dict trace: a model's trace (values substituted).
+    :param callable keep: ``site -> bool``.
+    :param callable observed_fn: as in :func:`site_log_prob`.
+    :return: a scalar.
+    """
     total = jnp.zeros(())
     for site in trace.values():
         if site["type"] == "sample" and keep(site):
-            log_prob = site["fn"].log_prob(site["value"])
-            if observed_fn is not None and site["is_observed"]:
-                log_prob = observed_fn(site, log_prob)
-            if site["scale"] is not None:
-                log_prob = site["scale"] * log_prob
-            total = total + jnp.sum(log_prob)
+            total = total + site_log_prob(site, observed_fn)
     return total
 
 
@@ -115,7 +152,7 @@ def silo_log_density(
     if mask is not None or nested:
         masked = silo_mask(masked, plate, mask, nested)
     trace = handlers.trace(masked).get_trace(*args, **(kwargs or {}), **arrays)
-    return _sum_log_probs(trace, lambda site: _in_plate(site, plate), observed_fn)
+    return sum_log_probs(trace, lambda site: _in_plate(site, plate), observed_fn)
 
 
 def server_log_density(
@@ -141,7 +178,63 @@ def server_log_density(
     # Local sites are drawn from their prior (values unused); the key is fixed.
     model = handlers.seed(handlers.substitute(model, data=values), jax.random.key(0))
     trace = handlers.trace(model).get_trace(*args, **(kwargs or {}), **template)
-    return _sum_log_probs(trace, lambda site: not _in_plate(site, plate))
+    return sum_log_probs(trace, lambda site: not _in_plate(site, plate))
+
+
+def real_entries(
+    spec: SiteSpec,
+    shape: tuple,
+    mask: jax.Array | None = None,
+    nested: dict | None = None,
+) -> jax.Array | None:
+    """
+    Booleans of ``shape``, a local site's value on one silo (constrained or not: the
+    batch axes are the same) with its units on ``spec.unit_axis``: False at padded
+    units and at padded entries of ragged nested plates, the entries that
+    :class:`silo_mask` leaves out of the site's log density.
+
+    :param SiteSpec spec: the site (:func:`~numpyro_fed.partition.site_specs`).
+    :param tuple shape: the value's shape.
+    :param jax.Array mask: ``(shape[unit_axis],)`` booleans, True for real units, or
+        ``None``.
+    :param dict nested: plate name -> the silo's real size of each ragged nested
+        plate, or ``None``.
+    :return: the booleans, or ``None`` when nothing is padded.
+    """
+    parts = [] if mask is None else [(spec.unit_axis, mask)]
+    for plate, axis in spec.plates:
+        if nested and plate in nested:
+            parts.append((axis, jnp.arange(shape[axis]) < nested[plate]))
+    if not parts:
+        return None
+    keep = jnp.ones(shape, bool)
+    for axis, real in parts:
+        keep = keep & real.reshape(real.shape + (1,) * (len(shape) - axis - 1))
+    return keep
+
+
+def constrain_site(
+    support: Any, u: jax.Array, keep: jax.Array | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """
+    A site's constrained value ``biject_to(support)(u)`` and the log-Jacobian of the
+    map, :math:`\\log|\\det J|` over the value's batch axes: the term that makes a
+    density in the constrained space one in the unconstrained space.
+
+    :param support: the site's support constraint.
+    :param jax.Array u: the unconstrained value.
+    :param jax.Array keep: booleans of ``u``'s shape (:func:`real_entries`); the
+        log-Jacobian is zero where they are False. Nested plates are batch axes, so
+        an event is real or padded as a whole.
+    :return: ``(value, log_det)``.
+    """
+    transform = biject_to(support)
+    value = transform(u)
+    log_det = transform.log_abs_det_jacobian(u, value)
+    if keep is not None:
+        keep = keep.reshape(keep.shape[: log_det.ndim] + (-1,)).all(-1)
+        log_det = jnp.where(keep, log_det, 0.0)
+    return value, log_det
 
 
 def data_template(arrays: dict[str, Any]) -> dict[str, jax.Array]:

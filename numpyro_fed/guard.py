@@ -37,7 +37,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
+from numpyro_fed.protocol import (
+    FederatedAlgorithm,
+    Message,
+    SiloData,
+    SummedReplies,
+    reply_sum,
+    vmap_silos,
+)
 from numpyro_fed.util import all_finite, rows_where, tree_where
 
 __all__ = ["SiloFailure", "check_rejections", "guard_nonfinite", "rejection_counts"]
@@ -85,16 +92,36 @@ def guard_nonfinite(
     """
     inner_silo_step = algorithm.silo_step
     inner_server_step = algorithm.server_step
+    inner_reduce = algorithm.reduce_silos
 
     def silo_step(message: Message, state: Any, data: SiloData, key: jax.Array):
         reply, new_state = inner_silo_step(message, state, data, key)
         ok = all_finite((reply, new_state))
         return tree_where(ok, reply, _nan_like(reply)), tree_where(ok, new_state, state)
 
+    def reduce_silos(message, states, data, keys, contacted):
+        summed, new_states = inner_reduce(message, states, data, keys, contacted)
+        kept = rows_where(contacted, new_states, states)
+        ok = all_finite((summed.total, kept))
+
+        def one_by_one():
+            # A non-finite sum cannot say whose term it was: step the silos again,
+            # one reply each, so that only the bad ones are left out.
+            replies, stepped = vmap_silos(silo_step, message, states, data, keys)
+            used = contacted & jax.vmap(all_finite)(replies)
+            return SummedReplies(reply_sum(replies, used), used), stepped
+
+        return jax.lax.cond(ok, lambda: (summed, new_states), one_by_one)
+
     def server_step(state: Any, replies: Any, key: jax.Array, participating: Any):
-        finite = jax.vmap(all_finite)(replies)
-        used = participating & finite
-        clean = rows_where(used, replies, jax.tree.map(jnp.zeros_like, replies))
+        if isinstance(replies, SummedReplies):
+            finite = replies.used | ~participating
+            used = participating & replies.used
+            clean = replies._replace(used=used)
+        else:
+            finite = jax.vmap(all_finite)(replies)
+            used = participating & finite
+            clean = rows_where(used, replies, jax.tree.map(jnp.zeros_like, replies))
         new_state, info = inner_server_step(state, clean, key, used)
         rejected = participating & ~finite
         server_ok = all_finite(new_state)
@@ -103,7 +130,11 @@ def guard_nonfinite(
         new_state = tree_where(keep, state, new_state)
         return new_state, info._replace(rejected=info.rejected | rejected)
 
-    return algorithm._replace(silo_step=silo_step, server_step=server_step)
+    return algorithm._replace(
+        silo_step=silo_step,
+        server_step=server_step,
+        reduce_silos=None if inner_reduce is None else reduce_silos,
+    )
 
 
 def _nan_like(tree: Any) -> Any:

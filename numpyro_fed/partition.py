@@ -21,6 +21,7 @@ __all__ = [
     "analyze",
     "analyze_call",
     "call_model",
+    "init_values",
     "nested_sizes",
     "site_specs",
 ]
@@ -351,6 +352,24 @@ def site_specs(
         constraint = site["kwargs"].get("constraint") or constraints.real
         params[name] = (np.asarray(site["value"]), constraint)
     return specs, params
+
+
+def init_values(
+    model: Callable,
+    key: jax.Array,
+    arrays: dict,
+    init_strategy: Callable,
+    names: Any,
+    args: tuple = (),
+    kwargs: dict | None = None,
+) -> dict:
+    """Constrained initial values of the sites ``names`` from one run of ``model`` on
+    ``arrays`` under a NumPyro init strategy (``init_to_uniform``, ...)."""
+    seeded = handlers.substitute(handlers.seed(model, key), substitute_fn=init_strategy)
+    # block(): the run may happen inside a guide, whose handlers must not see it.
+    with handlers.block():
+        trace = handlers.trace(seeded).get_trace(*args, **(kwargs or {}), **arrays)
+    return {name: trace[name]["value"] for name in names}
 
 
 def _plate_sizes(trace: dict, plates: set) -> dict[str, int]:

@@ -22,32 +22,31 @@ site is stacked ``(J, P, ...)`` by silo and padded unit (units on the leading ax
 the site's value), like :class:`~numpyro_fed.FederatedData`.
 """
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
-from numpyro import handlers
-from numpyro.distributions import biject_to
 from numpyro.infer.initialization import init_to_uniform
 
-from numpyro_fed.densities import data_template, server_log_density, silo_log_density
-from numpyro_fed.partition import ModelRoles, analyze, nested_sizes
+from numpyro_fed.densities import (
+    constrain_site,
+    data_template,
+    real_entries,
+    server_log_density,
+    silo_log_density,
+)
+from numpyro_fed.partition import (
+    ModelRoles,
+    SiteSpec,
+    analyze,
+    init_values,
+    nested_sizes,
+    site_specs,
+)
+from numpyro_fed.util import constrain, unconstrain
 
-__all__ = ["FederatedPotential", "SiteLayout", "batch_indices", "federated_potential"]
-
-
-class SiteLayout(NamedTuple):
-    """Static description of one latent site in unconstrained space.
-
-    - **name** - site name.
-    - **shape** - unconstrained shape (a local site: per silo, ``(P, ...)``).
-    - **support** - the site's support constraint.
-    """
-
-    name: str
-    shape: tuple
-    support: Any
+__all__ = ["FederatedPotential", "batch_indices", "federated_potential"]
 
 
 def batch_indices(
@@ -85,30 +84,44 @@ def batch_indices(
     return jnp.argsort(u)[:size].astype(jnp.int32)
 
 
-def _log_det(support: Any, u: jax.Array) -> jax.Array:
-    transform = biject_to(support)
-    return transform.log_abs_det_jacobian(u, transform(u))
-
-
 class FederatedPotential:
     """
     The prior part and per-silo parts of a federated model's log density, in
     unconstrained space. Build it with :func:`federated_potential`.
 
+    The constrained terms are :func:`~numpyro_fed.densities.server_log_density` and
+    :func:`~numpyro_fed.densities.silo_log_density` (the terms the variational
+    algorithms use), the log-Jacobians :func:`~numpyro_fed.densities.constrain_site`'s;
+    padded units and padded entries of ragged nested plates contribute nothing.
+
     :ivar ModelRoles roles: the model's roles.
-    :ivar tuple global_sites: :class:`SiteLayout` of each global latent site.
-    :ivar tuple local_sites: :class:`SiteLayout` of each local latent site.
+    :ivar tuple global_sites: :class:`~numpyro_fed.partition.SiteSpec` of each global
+        latent site.
+    :ivar tuple local_sites: :class:`~numpyro_fed.partition.SiteSpec` of each local
+        latent site (per silo, units on axis 0 of ``unconstrained_shape``).
+    :ivar dict nested: plate name -> ``(J,)`` real sizes of the ragged nested plates
+        (:func:`~numpyro_fed.partition.nested_sizes`; empty when none), what
+        :func:`~numpyro_fed.protocol.silo_data_of` gives each silo.
     :ivar int global_dim: size of the flattened global position.
     """
 
-    def __init__(self, model, roles, global_sites, local_sites, event_dims, template):
+    def __init__(
+        self,
+        model: Callable,
+        roles: ModelRoles,
+        global_sites: tuple,
+        local_sites: tuple,
+        nested: dict,
+        template: dict,
+    ) -> None:
         self.model = model
         self.roles = roles
         self.global_sites = global_sites
         self.local_sites = local_sites
-        self._event_dims = event_dims
+        self.nested = nested
         self._template = template
-        zeros = {s.name: jnp.zeros(s.shape) for s in global_sites}
+        self._specs = {s.name: s for s in global_sites + local_sites}
+        zeros = {s.name: jnp.zeros(s.unconstrained_shape) for s in global_sites}
         flat, self._unravel = ravel_pytree(zeros)
         self.global_dim = int(flat.shape[0])
 
@@ -129,49 +142,65 @@ class FederatedPotential:
 
     def constrain(self, z: dict) -> dict:
         """Constrained values of a position (global or local sites, any layout)."""
-        layouts = {s.name: s for s in self.global_sites + self.local_sites}
-        return {k: biject_to(layouts[k].support)(v) for k, v in z.items()}
+        return constrain({k: self._specs[k].support for k in z}, z)
 
     def unconstrain(self, values: dict) -> dict:
         """Inverse of :meth:`constrain`."""
-        layouts = {s.name: s for s in self.global_sites + self.local_sites}
-        return {k: biject_to(layouts[k].support).inv(v) for k, v in values.items()}
+        return unconstrain({k: self._specs[k].support for k in values}, values)
 
-    def _log_dets(self, sites, z: dict) -> dict:
-        return {s.name: _log_det(s.support, z[s.name]) for s in sites}
+    def real_local(
+        self, z_local: dict, mask: jax.Array | None, nested: dict | None = None
+    ) -> dict:
+        """
+        Booleans shaped like each of a silo's local sites in ``z_local``, ``(P,
+        ...)``: False at padded units (``mask``) and at padded entries of ragged
+        nested plates (``nested``), the coordinates that carry no density.
+        """
+        out = {}
+        for s in self.local_sites:
+            shape = jnp.shape(z_local[s.name])
+            keep = real_entries(s, shape, mask, nested)
+            out[s.name] = jnp.ones(shape, bool) if keep is None else keep
+        return out
 
     # ---------------------------------------------------------------- densities
     def log_prior(self, z_global: dict) -> jax.Array:
         """:math:`\\log p(z_G) + \\log|J_G|` (the sites outside the silo plate)."""
-        values = self.constrain(z_global)
-        log_p = server_log_density(
-            self.model, self.roles.silo_plate, self._template, values
-        )
-        dets = self._log_dets(self.global_sites, z_global)
-        return log_p + sum((jnp.sum(d) for d in dets.values()), jnp.zeros(()))
+        values, log_p = {}, jnp.zeros(())
+        for s in self.global_sites:
+            values[s.name], log_det = constrain_site(s.support, z_global[s.name])
+            log_p = log_p + jnp.sum(log_det)
+        plate = self.roles.silo_plate
+        return server_log_density(self.model, plate, self._template, values) + log_p
 
     def silo_log_likelihood(
-        self, z_global: dict, z_local: dict, arrays: dict, mask: jax.Array | None
+        self,
+        z_global: dict,
+        z_local: dict,
+        arrays: dict,
+        mask: jax.Array | None,
+        nested: dict | None = None,
     ) -> jax.Array:
         """
         Silo term :math:`\\log p(x_s, z_{L_s} \\mid z_G) + \\log|J_{L_s}|` over the
-        silo's real units.
+        silo's real units and real entries of its ragged nested plates.
 
         :param dict z_global: unconstrained global sites.
         :param dict z_local: the silo's unconstrained local sites, ``(P, ...)``.
         :param dict arrays: the silo's (padded) arrays.
         :param jax.Array mask: ``(P,)`` booleans for the real units, or ``None``.
+        :param dict nested: plate name -> the silo's real size of each ragged nested
+            plate (:attr:`nested` at the silo), or ``None``.
         """
-        values = {**self.constrain(z_global), **self.constrain(z_local)}
-        log_p = silo_log_density(
-            self.model, self.roles.silo_plate, arrays, mask, values
-        )
-        for det in self._log_dets(self.local_sites, z_local).values():
-            if mask is not None:
-                units = mask.reshape(mask.shape + (1,) * (det.ndim - 1))
-                det = jnp.where(units, det, 0.0)
-            log_p = log_p + jnp.sum(det)
-        return log_p
+        values, log_dets = self.constrain(z_global), []
+        for s in self.local_sites:
+            u = z_local[s.name]
+            keep = real_entries(s, jnp.shape(u), mask, nested)
+            values[s.name], log_det = constrain_site(s.support, u, keep)
+            log_dets.append(jnp.sum(log_det))
+        plate = self.roles.silo_plate
+        log_p = silo_log_density(self.model, plate, arrays, mask, values, nested=nested)
+        return sum(log_dets, log_p)
 
     def minibatch_log_likelihood(
         self,
@@ -180,6 +209,7 @@ class FederatedPotential:
         arrays: dict,
         idx: jax.Array,
         num_real: jax.Array,
+        nested: dict | None = None,
     ) -> jax.Array:
         """
         :math:`\\frac{N_s}{m}` times the silo term on the units at slots ``idx``: an
@@ -187,20 +217,17 @@ class FederatedPotential:
 
         :param jax.Array idx: ``(m,)`` slots of real units (see :func:`batch_indices`).
         :param num_real: :math:`N_s`.
+        :param dict nested: as in :meth:`silo_log_likelihood`.
         """
         batch = {k: v[idx] for k, v in arrays.items()}
         local = {k: v[idx] for k, v in z_local.items()}
-        term = self.silo_log_likelihood(z_global, local, batch, None)
+        term = self.silo_log_likelihood(z_global, local, batch, None, nested)
         return term * (num_real / idx.shape[0])
 
     # ------------------------------------------------------------ initial values
     def _init_values(self, key: jax.Array, arrays: dict, init_strategy: Callable):
-        names = [s.name for s in self.global_sites + self.local_sites]
-        model = handlers.substitute(
-            handlers.seed(self.model, key), substitute_fn=init_strategy
-        )
-        trace = handlers.trace(model).get_trace(**arrays)
-        return self.unconstrain({n: trace[n]["value"] for n in names})
+        values = init_values(self.model, key, arrays, init_strategy, self._specs)
+        return self.unconstrain(values)
 
     def init_position(
         self, key: jax.Array, data: Any, init_strategy: Callable = init_to_uniform
@@ -247,7 +274,8 @@ def federated_potential(model: Callable, data: Any) -> FederatedPotential:
     :param FederatedData data: the silos' data.
     :rtype: FederatedPotential
     :raises ValueError: for ``numpyro.param`` sites (a sampler needs every unknown
-        to be a latent site) or the errors of :func:`~numpyro_fed.analyze`.
+        to be a latent site) or the errors of :func:`~numpyro_fed.analyze` and
+        :func:`~numpyro_fed.partition.nested_sizes`.
     :raises NotImplementedError: for a local site whose units are not its leading axis.
 
     **Example:**
@@ -275,38 +303,21 @@ def federated_potential(model: Callable, data: Any) -> FederatedPotential:
             "treats every unknown as a latent site. Give them priors (numpyro.sample) "
             "or fix them with numpyro.handlers.substitute."
         )
-    ragged = nested_sizes(model, data, roles)
-    if ragged:
-        raise NotImplementedError(
-            f"Plate(s) {sorted(ragged)} nested in the silo plate {roles.silo_plate!r} "
-            "are ragged across silos; the samplers do not mask their padding yet. "
-            "Use SFVI or PVI, or give the silos equal nested sizes."
-        )
     padded = {k: v[0] for k, v in data.arrays.items()}
-    trace = handlers.trace(handlers.seed(model, jax.random.key(0))).get_trace(**padded)
-    global_sites, local_sites, event_dims = [], [], {}
-    for name in roles.global_sites + roles.local_sites:
-        site = trace[name]
-        support = site["fn"].support
-        event_dims[name] = site["fn"].event_dim
-        shape = jax.eval_shape(biject_to(support).inv, site["value"]).shape
-        layout = SiteLayout(name, tuple(shape), support)
-        if name in roles.local_sites:
-            unit_axis = jnp.ndim(site["value"]) - event_dims[name] + roles.silo_dim
-            if unit_axis != 0 or shape[0] != data.padded_size:
-                raise NotImplementedError(
-                    f"Local site {name!r} has its silo units on axis {unit_axis} of "
-                    f"its value (shape {tuple(jnp.shape(site['value']))}); samplers "
-                    "need the silo plate to be the value's leading axis."
-                )
-            local_sites.append(layout)
-        else:
-            global_sites.append(layout)
+    specs, _ = site_specs(model, roles, padded, (), {})
+    for name in roles.local_sites:
+        spec: SiteSpec = specs[name]
+        if spec.unit_axis != 0 or spec.unconstrained_shape[0] != data.padded_size:
+            raise NotImplementedError(
+                f"Local site {name!r} has its silo units on axis {spec.unit_axis} of "
+                f"its value (shape {spec.shape}); samplers need the silo plate to be "
+                "the value's leading axis."
+            )
     return FederatedPotential(
         model,
         roles,
-        tuple(global_sites),
-        tuple(local_sites),
-        event_dims,
+        tuple(specs[n] for n in roles.global_sites),
+        tuple(specs[n] for n in roles.local_sites),
+        nested_sizes(model, data, roles),
         data_template(data.silo(0)),
     )

@@ -11,6 +11,12 @@ one silo at a time, event-driven, Flower). A round is::
     reply_j, silo_state_j = silo_step(message.at(j), silo_state_j, silo_data_j, key_j)
     server_state, info = server_step(server_state, replies, key, contacted)
 
+An algorithm whose server reads only the sum of the contacted silos' replies (SFVI's
+gradients) may also offer ``reduce_silos``: every silo stepped at once with the
+replies already summed (:class:`SummedReplies`), which a simulation can compute in one
+pull-back through the shared global quantities instead of one per silo. Runtimes that
+carry replies one by one (sequential, events, Flower) never call it.
+
 ``message.at(j)`` is silo j's view of the message: the broadcast part and row j of
 the routed part. Every state, message and reply is a pytree of arrays whose treedef
 does not change from round to round (no ``None`` toggles, no Python scalars), so one
@@ -33,13 +39,17 @@ __all__ = [
     "InitSiloFn",
     "Message",
     "MessageFn",
+    "ReduceSilosFn",
     "SelectFn",
     "ServerStepFn",
     "SiloData",
     "SiloStepFn",
+    "SummedReplies",
     "jit_algorithm",
+    "reply_sum",
     "select_all",
     "silo_data_of",
+    "vmap_silos",
 ]
 
 
@@ -138,13 +148,62 @@ class ServerStepFn(Protocol):
 
         :param state: the server state.
         :param replies: every silo's reply, stacked along a leading silo axis;
-            rows of silos that were not contacted hold placeholders.
+            rows of silos that were not contacted hold placeholders. An algorithm
+            with ``reduce_silos`` also takes :class:`SummedReplies` here, and reads
+            both through :func:`reply_sum`.
         :param key: the round's server key (the one ``server_message`` got).
         :param participating: ``(J,)`` booleans, the silos whose reply arrived.
         :return: ``(state, info)``; ``info`` is a NamedTuple with at least ``loss``
             (a scalar) and ``rejected`` (``(J,)`` booleans: replies that arrived and
             were dropped because they were not finite or not valid).
         """
+
+
+class SummedReplies(NamedTuple):
+    """The silos' replies as a sum-reduced server reads them.
+
+    - **total** - :math:`\\sum_j` of the replies of the silos in ``used`` (the
+      reply's pytree, no silo axis).
+    - **used** - ``(J,)`` booleans: the silos whose replies are in ``total``.
+    """
+
+    total: Any
+    used: jax.Array
+
+
+class ReduceSilosFn(Protocol):
+    def __call__(
+        self,
+        message: "Message",
+        states: Any,
+        data: "SiloData",
+        keys: jax.Array,
+        contacted: jax.Array,
+    ) -> tuple[SummedReplies, Any]:
+        """Every silo's ``silo_step`` at once, the replies summed over ``contacted``.
+
+        :param message: the whole message (routed part with a leading silo axis).
+        :param states: the silos' states, stacked along a leading silo axis.
+        :param data: the silos' data, stacked.
+        :param keys: one key per silo.
+        :param contacted: ``(J,)`` booleans.
+        :return: ``(SummedReplies(total, contacted), states)``: the same sum and
+            states as :func:`jax.vmap` of ``silo_step`` would give (to rounding).
+        """
+
+
+def reply_sum(replies: Any, used: jax.Array) -> Any:
+    """:math:`\\sum_j` of the ``used`` rows of stacked replies, or the total of
+    :class:`SummedReplies` (already restricted to its ``used``): how a sum-reduced
+    ``server_step`` reads its replies under any runtime."""
+    if isinstance(replies, SummedReplies):
+        return replies.total
+
+    def masked_sum(x):
+        rows = used.reshape((-1,) + (1,) * (x.ndim - 1))
+        return jnp.sum(jnp.where(rows, x, 0), axis=0)
+
+    return jax.tree.map(masked_sum, replies)
 
 
 class SelectFn(Protocol):
@@ -174,6 +233,8 @@ class FederatedAlgorithm(NamedTuple):
     - **silo_step** - :class:`SiloStepFn`.
     - **server_step** - :class:`ServerStepFn`.
     - **select** - :class:`SelectFn` (default :func:`select_all`).
+    - **reduce_silos** - :class:`ReduceSilosFn`, or ``None`` (the runtimes step the
+      silos one by one, or vmapped, and stack the replies).
     """
 
     init_server: InitServerFn
@@ -182,12 +243,24 @@ class FederatedAlgorithm(NamedTuple):
     silo_step: SiloStepFn
     server_step: ServerStepFn
     select: SelectFn = select_all
+    reduce_silos: ReduceSilosFn | None = None
 
 
 def jit_algorithm(algorithm: FederatedAlgorithm) -> FederatedAlgorithm:
     """The same algorithm with each function jitted on its own (for runtimes that
-    call them one at a time); ``select``'s ``num_silos`` is static."""
+    call them one at a time, and so have no use for ``reduce_silos``); ``select``'s
+    ``num_silos`` is static."""
     select = algorithm.select
     if select is not select_all:
         select = jax.jit(select, static_argnums=2)
     return FederatedAlgorithm(*(jax.jit(f) for f in algorithm[:5]), select)
+
+
+def vmap_silos(
+    silo_step: Any, message: Message, states: Any, data: SiloData, keys: jax.Array
+) -> tuple[Any, Any]:
+    """Every silo's ``silo_step`` at once under :func:`jax.vmap` (the routed part of
+    ``message`` and the silos' states, data and keys along a leading silo axis)."""
+    return jax.vmap(silo_step, in_axes=(Message(None, 0), 0, 0, 0))(
+        message, states, data, keys
+    )

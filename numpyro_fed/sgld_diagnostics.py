@@ -75,14 +75,19 @@ def _global_only(pot: FederatedPotential, what: str) -> None:
 
 
 def _per_datum_grads(pot: FederatedPotential, theta: jax.Array, arrays: dict):
-    """``(J, P, D)`` gradients of each unit's log-likelihood at the flat ``theta``."""
+    """``(J, P, D)`` gradients of each unit's log-likelihood at the flat ``theta``
+    (padded entries of ragged nested plates left out)."""
     z = pot.unflatten(theta)
 
-    def one(row: dict) -> jax.Array:
+    def one(row: dict, nested: dict) -> jax.Array:
         batch = {k: v[None] for k, v in row.items()}
-        return pot.flatten(jax.grad(pot.silo_log_likelihood)(z, {}, batch, None))
+        grad = jax.grad(pot.silo_log_likelihood)(z, {}, batch, None, nested)
+        return pot.flatten(grad)
 
-    return jax.vmap(jax.vmap(one))(arrays)
+    def silo(rows: dict, nested: dict) -> jax.Array:
+        return jax.vmap(one, in_axes=(0, None))(rows, nested)
+
+    return jax.vmap(silo)(arrays, pot.nested)
 
 
 def _thetas(thetas: Any, dim: int) -> jax.Array:

@@ -150,7 +150,7 @@ def _check(
 
 # ------------------------------------------------------------------ fitting
 def _silo_objective(
-    pot: FederatedPotential, prior_power: float, arrays, mask, z_local0
+    pot: FederatedPotential, prior_power: float, arrays, mask, nested, z_local0
 ):
     """Joint log target of one silo over the flat ``(z_G, z_Ls)`` vector."""
     flat_local, unravel_local = ravel_pytree(z_local0)
@@ -159,14 +159,15 @@ def _silo_objective(
     def log_target(u):
         z_g = pot.unflatten(u[:dim])
         z_l = unravel_local(u[dim:])
-        value = pot.silo_log_likelihood(z_g, z_l, arrays, mask)
+        value = pot.silo_log_likelihood(z_g, z_l, arrays, mask, nested)
         if prior_power:
             value = value + prior_power * pot.log_prior(z_g)
-        # Padded units' local latents carry no density; a unit Gaussian keeps them
-        # (and the joint Hessian) well defined without touching the z_G marginal.
-        for v in z_l.values():
-            pad = ~mask.reshape(mask.shape + (1,) * (v.ndim - 1))
-            value = value - 0.5 * jnp.sum(jnp.where(pad, v, 0.0) ** 2)
+        # Padded units' local latents (and padded entries of ragged nested plates)
+        # carry no density; a unit Gaussian keeps them (and the joint Hessian) well
+        # defined without touching the z_G marginal.
+        real = pot.real_local(z_l, mask, nested)
+        for name, v in z_l.items():
+            value = value - 0.5 * jnp.sum(jnp.where(real[name], 0.0, v) ** 2)
         return value
 
     return log_target, flat_local
@@ -520,11 +521,11 @@ def fit_surrogates(
     z_local0 = pot.split(z0)[1]
     dim = pot.global_dim
 
-    def fit_one(arrays, mask, z_local, key):
+    def fit_one(arrays, mask, nested, z_local, key):
         """A silo's natural parameters and, for ``"laplace"``, the relative gradient
         before the last Newton step and whether the curvature had to be clipped."""
         log_target, flat_local = _silo_objective(
-            pot, prior_power, arrays, mask, z_local
+            pot, prior_power, arrays, mask, nested, z_local
         )
         u0 = jnp.concatenate([pot.flatten(pot.split(z0)[0]), flat_local])
         if method == "laplace":
@@ -565,7 +566,7 @@ def fit_surrogates(
         return _marginal(mean, cov, dim, diagonal, False)
 
     keys = jax.random.split(fit_key, data.num_silos)
-    inputs = (dict(data.arrays), data.mask, z_local0, keys)
+    inputs = (dict(data.arrays), data.mask, pot.nested, z_local0, keys)
     if silo_batch_size is None:
         prec, shift, gnorm, improper = jax.jit(jax.vmap(fit_one))(*inputs)
     else:

@@ -118,8 +118,8 @@ def test_a_user_class_is_audited_with_its_own_keys():
     fit = nf.SFVI(fed, nf.AutoStructured(fed), optax.adam(0.05), num_particles=2)
     report = nf.audit(fit, data)
     assert report.flagged == ()
-    eps = next(leaf for leaf in report.leaves if leaf.path == ".eps_global")
-    assert eps.shape[0] == 2
+    keys = next(leaf for leaf in report.leaves if leaf.path == ".global_keys")
+    assert keys.shape[0] == 2  # one key per particle
 
 
 def test_bad_arguments_are_named():
@@ -157,6 +157,7 @@ def test_a_one_unit_silo_gives_its_row_away_in_sfvi(enable_x64):
         message.at(2), state, silo, noise_keys(jax.random.key(4), 1)
     )
     eta = constrain(guide.param_constraints()[0], message.broadcast.eta_global)
-    z_global = draw_global(guide, eta, message.broadcast.eps_global[0]).z
+    eps = guide.global_noise(message.broadcast.global_keys[0])
+    z_global = draw_global(guide, eta, eps).z
     y_hat = z_global + reply.grad_eta_global["loc"]  # d/d loc = d/d z_G
     np.testing.assert_allclose(y_hat, [0.8338], rtol=1e-12)

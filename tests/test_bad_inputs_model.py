@@ -113,17 +113,3 @@ def test_ragged_axis_that_is_not_a_nested_plate_is_named():
     svi = nf.SFVI(fed, nf.AutoStructured(fed), optax.adam(0.05))
     with pytest.raises(ValueError, match=r"Site 'y'.*silo 0.*not a\s+plate nested"):
         svi.init(jax.random.key(0), data)
-
-
-def test_samplers_refuse_ragged_nested_plates():
-    from numpyro_fed.potentials import federated_potential
-
-    def model(y):
-        mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
-        with numpyro.plate("county", y.shape[0], dim=-2):
-            with numpyro.plate("home", y.shape[1], dim=-1):
-                numpyro.sample("y", dist.Normal(mu, 1.0), obs=y)
-
-    data = nf.FederatedData.from_silos(RAGGED)
-    with pytest.raises(NotImplementedError, match=r"\['home'\].*ragged"):
-        federated_potential(nf.federate(model, silos="county"), data)

@@ -103,14 +103,23 @@ server = ServerApp()
 def main(grid, context):
     c = context.run_config
     fit, federation = fit_and_federation(context)
-    stamps = []
+    stamps, progress = [], str(c["progress"])
+
+    def on_round(t, info):
+        stamps.append(time.perf_counter())
+        if progress:  # rounds done, for a launcher that acts mid-run
+            with open(progress + ".tmp", "w") as f:
+                f.write(str(t + 1))
+            os.replace(progress + ".tmp", progress)
+
     run = flower.serve(
         grid,
         federation,
         int(c["num-rounds"]),
         rng_key=jax.random.key(int(c["seed"])),
         node_timeout=float(c["node-timeout"]),
-        on_round=lambda t, info: stamps.append(time.perf_counter()),
+        round_timeout=float(c["round-timeout"]) or None,
+        on_round=on_round,
     )
     params = fit.get_params(FederatedState(run.state, None, None))
     result = {
@@ -119,6 +128,8 @@ def main(grid, context):
         "losses": [float(np.sum(info.loss)) for info in run.infos],
         "round_seconds": np.diff(stamps).tolist(),
         "nodes": {str(j): int(n) for j, n in run.nodes.items()},
+        # per round, the silos (and their nodes) whose reply did not come
+        "missing": [{str(j): int(n) for j, n in m.items()} for m in run.missing],
     }
     path = str(c["result"])
     with open(path + ".tmp", "w") as f:

@@ -121,6 +121,9 @@ class Deployment:
         self.env = environment(self.home, workdir / "jax-cache" if cache else None)
         self.processes: list[subprocess.Popen] = []
         self.started: set[int] = set()
+        #: silo -> the processes that serve it (its SuperNode, its ClientApp worker)
+        self.nodes: dict[int, list[subprocess.Popen]] = {}
+        self.killed: set[int] = set()
 
     def _start(self, name, args):
         log = open(self.logs / f"{name}.log", "w")
@@ -176,8 +179,9 @@ class Deployment:
                     + (["--isolation", "process"] if self.worker else []),
                 )
                 wait_for_port(node_port, node)
+                self.nodes[j] = [node]
                 if self.worker:
-                    self._start(
+                    worker = self._start(
                         f"clientapp-worker-{j}",
                         [
                             sys.executable,
@@ -187,6 +191,7 @@ class Deployment:
                             f"127.0.0.1:{node_port}",
                         ],
                     )
+                    self.nodes[j].append(worker)
         except BaseException:
             self.stop()
             raise
@@ -220,6 +225,21 @@ class Deployment:
                     return
                 time.sleep(0.1)
 
+    def kill_node(self, silo: int) -> list[int]:
+        """SIGKILL silo ``silo``'s SuperNode and ClientApp worker (each the leader
+        of its own process group, started here), as a machine that dies would
+        stop; their pids."""
+        pids = descendants([p.pid for p in self.nodes[silo]])
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in self.nodes[silo]:
+            p.wait(timeout=10)
+        self.killed.update(p.pid for p in self.nodes[silo])
+        return pids
+
     def left(self) -> list[int]:
         """The processes started here (and their children) that are still alive."""
         return sorted(p for p in descendants(sorted(self.started)) if alive(p))
@@ -238,7 +258,11 @@ class Deployment:
         )
         deadline = time.monotonic() + timeout
         while not result.exists():
-            dead = [p.args[0] for p in self.processes if p.poll() is not None]
+            dead = [
+                p.args[0]
+                for p in self.processes
+                if p.poll() is not None and p.pid not in self.killed
+            ]
             if dead or time.monotonic() > deadline:
                 raise RuntimeError(
                     f"no result after {timeout} s (exited: {dead}); logs: {self.logs}"

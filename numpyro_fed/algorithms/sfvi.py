@@ -2,13 +2,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """SFVI: structured federated variational inference (Hassan et al., Algorithm 1).
 
-Each round the server draws :math:`\\epsilon_G` and broadcasts it with
-:math:`(\\theta, \\eta_G)`; every silo draws its own :math:`\\epsilon_{L_j}`, takes one
-optimizer step on its local parameters :math:`\\eta_{L_j}` and returns only the
-gradients of its term :math:`\\widehat{\\mathcal L}_j` with respect to
-:math:`(\\theta, \\eta_G)`; the server adds the gradient of its own term
-:math:`\\widehat{\\mathcal L}_0 = \\log p_\\theta(z_G) - \\log q_{\\eta_G}(z_G)` (which
-the paper's box omits) and steps :math:`(\\theta, \\eta_G)`. The summed gradient is
+Each round the server draws :math:`\\epsilon_G` and broadcasts it (as the keys it
+drew it from) with :math:`(\\theta, \\eta_G)`; every silo draws its own
+:math:`\\epsilon_{L_j}`, takes one optimizer step on its local parameters
+:math:`\\eta_{L_j}` and returns only the gradients of its term
+:math:`\\widehat{\\mathcal L}_j` with respect to :math:`(\\theta, \\eta_G)`; the server
+adds the gradient of its own term :math:`\\widehat{\\mathcal L}_0 = \\log p_\\theta(z_G)
+- \\log q_{\\eta_G}(z_G)` (which the paper's box omits) and steps :math:`(\\theta, \\eta_G)`. The summed gradient is
 exactly the centralized (STL) ELBO gradient (Supplement S1, eqs. S4-S8), so SFVI is
 centralized VI computed where the data live.
 """
@@ -26,7 +26,13 @@ from numpyro_fed.elbo import (
     silo_terms,
 )
 from numpyro_fed.guard import guard_nonfinite
-from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
+from numpyro_fed.protocol import (
+    FederatedAlgorithm,
+    Message,
+    SiloData,
+    SummedReplies,
+    reply_sum,
+)
 from numpyro_fed.util import ascent, constrain, tree_where, unconstrain
 
 __all__ = [
@@ -64,12 +70,14 @@ class SFVIServerMessage(NamedTuple):
 
     - **theta** - unconstrained :math:`\\theta`.
     - **eta_global** - unconstrained :math:`\\eta_G`.
-    - **eps_global** - :math:`\\epsilon_G`, one row per particle, shared by all silos.
+    - **global_keys** - the server's keys of :math:`\\epsilon_G`, one per particle:
+      every silo draws the same :math:`\\epsilon_G` from them (a key is smaller than
+      the draw it stands for, and it is the server's own randomness).
     """
 
     theta: dict
     eta_global: dict
-    eps_global: jax.Array
+    global_keys: jax.Array
 
 
 class SFVISiloMessage(NamedTuple):
@@ -140,8 +148,10 @@ def sfvi(
         return SFVISiloState(eta_local, optimizer.init(eta_local))
 
     def server_message(state: SFVIServerState, keys: jax.Array) -> Message:
-        eps = jax.vmap(guide.global_noise)(keys)
-        return Message(SFVIServerMessage(state.theta, state.eta_global, eps))
+        return Message(SFVIServerMessage(state.theta, state.eta_global, keys))
+
+    def global_noise(message: SFVIServerMessage) -> jax.Array:
+        return jax.vmap(guide.global_noise)(message.global_keys)
 
     def silo_term(theta_u, eta_g_u, eta_l_u, eps_g, key, data: SiloData):
         eta_g = constrain(global_constraints, eta_g_u)
@@ -175,7 +185,7 @@ def sfvi(
             message.theta,
             message.eta_global,
             state.eta_local,
-            message.eps_global,
+            global_noise(message),
             keys,
             data,
         )
@@ -187,6 +197,38 @@ def sfvi(
             g_theta, g_eta_g, elbo if report_elbo else jnp.zeros_like(elbo)
         )
         return reply, new_state
+
+    def reduce_silos(message: Message, states: SFVISiloState, data, keys, contacted):
+        # The gradient of the contacted silos' summed terms: the pull-back through
+        # the global draw and its transforms runs once, not once per silo.
+        message = message.broadcast
+        silo_objective = mean_over_particles(silo_term)
+        eps = global_noise(message)
+
+        def summed(theta_u, eta_g_u, eta_locals):
+            elbos = jax.vmap(
+                lambda eta_l, k, d: silo_objective(
+                    theta_u, eta_g_u, eta_l, eps, k, d
+                )
+            )(eta_locals, keys, data)
+            return jnp.sum(jnp.where(contacted, elbos, 0.0))
+
+        elbo, (g_theta, g_eta_g, g_eta_l) = jax.value_and_grad(
+            summed, argnums=(0, 1, 2)
+        )(message.theta, message.eta_global, states.eta_local)
+        # A silo's own parameters enter only its own term, so g_eta_l holds each
+        # contacted silo's local gradient (zero for the others, whose states the
+        # runtime does not keep).
+        new_states = jax.vmap(
+            lambda g, state: SFVISiloState(
+                *ascent(optimizer, g, state.optim_state, state.eta_local)
+            ),
+            axis_size=contacted.shape[0],  # a model without local latents has none
+        )(g_eta_l, states)
+        reply = SFVISiloMessage(
+            g_theta, g_eta_g, elbo if report_elbo else jnp.zeros_like(elbo)
+        )
+        return SummedReplies(reply, contacted), new_states
 
     def server_term(theta_u, eta_g_u, eps_g, key, data):
         del key, data
@@ -215,15 +257,13 @@ def sfvi(
         # A uniformly random subset of k silos, scaled by J / k, sums to the full
         # gradient in expectation (exactly 1 when every silo is used).
         scale = used.shape[0] / jnp.maximum(jnp.sum(used), 1)
-
-        def total(own, silos):
-            weights = used.reshape((-1,) + (1,) * (silos.ndim - 1))
-            return own + scale * jnp.sum(jnp.where(weights, silos, 0.0), axis=0)
-
+        silos = reply_sum(replies, used)
         grads = jax.tree.map(
-            total, (g_theta, g_eta_g), (replies.grad_theta, replies.grad_eta_global)
+            lambda own, total: own + scale * total,
+            (g_theta, g_eta_g),
+            (silos.grad_theta, silos.grad_eta_global),
         )
-        elbo = elbo0 + scale * jnp.sum(jnp.where(used, replies.elbo, 0.0))
+        elbo = elbo0 + scale * silos.elbo
         params, optim_state = ascent(
             optimizer, grads, state.optim_state, (state.theta, state.eta_global)
         )
@@ -233,6 +273,11 @@ def sfvi(
 
     return guard_nonfinite(
         FederatedAlgorithm(
-            init_server, init_silo, server_message, silo_step, server_step
+            init_server,
+            init_silo,
+            server_message,
+            silo_step,
+            server_step,
+            reduce_silos=reduce_silos,
         )
     )

@@ -170,11 +170,14 @@ class Minibatch(NamedTuple):
     - **mask** - ``(P,)`` booleans, True for real units.
     - **idx** - ``(m,)`` slots of the minibatch (see
       :func:`~numpyro_fed.potentials.batch_indices`), or ``None``: the whole silo.
+    - **nested** - plate name -> the silo's real size of each ragged nested plate
+      (:attr:`~numpyro_fed.protocol.SiloData.nested`; empty when none).
     """
 
     arrays: dict
     mask: jax.Array
     idx: jax.Array | None = None
+    nested: dict = {}
 
 
 # (position, minibatch) -> gradient, BlackJAX's shape; the position is the flat
@@ -287,16 +290,17 @@ def grad_estimator(pot: FederatedPotential, silo_prob: jax.Array) -> Estimator:
         z_global = pot.unflatten(theta)
         if batch.idx is None:
             g_lik, g_local = jax.grad(pot.silo_log_likelihood, argnums=(0, 1))(
-                z_global, z_local, batch.arrays, batch.mask
+                z_global, z_local, batch.arrays, batch.mask, batch.nested
             )
         else:
+            num_real = jnp.sum(batch.mask)
             g_lik = jax.grad(pot.minibatch_log_likelihood)(
-                z_global, z_local, batch.arrays, batch.idx, jnp.sum(batch.mask)
+                z_global, z_local, batch.arrays, batch.idx, num_real, batch.nested
             )
             g_local = {}
             if z_local:  # the locals' exact gradient needs the whole silo
                 g_local = jax.grad(pot.silo_log_likelihood, argnums=1)(
-                    z_global, z_local, batch.arrays, batch.mask
+                    z_global, z_local, batch.arrays, batch.mask, batch.nested
                 )
         prior = pot.flatten(jax.grad(pot.log_prior)(z_global))
         return prior + pot.flatten(g_lik) / silo_prob, g_local
@@ -330,28 +334,31 @@ def silo_estimator(pot: FederatedPotential, cfg: SGLDConfig, silo: Any) -> Estim
     return estimator
 
 
-def _langevin_step(pot, cfg, estimator, position, arrays, mask, t, key):
-    """One Langevin step on one silo; the draws come from ``fold_in(key, t)``."""
+def _langevin_step(pot, cfg, estimator, position, data, t, key):
+    """One Langevin step on one silo's ``data``; the draws come from
+    ``fold_in(key, t)``."""
     _, k_batch, k_noise = _keys(key, t)
     h = cfg.step_size(t)
+    mask = data.mask
     idx = None
     if cfg.batch_size is not None:
         idx = batch_indices(
             k_batch, jnp.sum(mask), mask.shape[0], cfg.batch_size, cfg.replace
         )
-    psi, g_local = estimator(position, Minibatch(arrays, mask, idx))
+    psi, g_local = estimator(position, Minibatch(data.arrays, mask, idx, data.nested))
     theta, z_local = position
     k_global, k_local = jax.random.split(k_noise)
     noise = jax.random.normal(k_global, theta.shape, theta.dtype)
     theta = theta + 0.5 * h * psi + jnp.sqrt(h) * noise
     new_local = {}
+    real = pot.real_local(z_local, mask, data.nested)
     local_keys = jax.random.split(k_local, max(len(z_local), 1))
     for k, name in zip(local_keys, sorted(z_local), strict=False):
         v = z_local[name]
-        real = mask.reshape(mask.shape + (1,) * (v.ndim - 1))
         noise = jax.random.normal(k, v.shape, v.dtype)
         move = 0.5 * h * g_local[name] + jnp.sqrt(h) * noise
-        new_local[name] = v + jnp.where(real, move, 0.0)  # padded units stay put
+        # Padded units and padded nested entries carry no density: they stay put.
+        new_local[name] = v + jnp.where(real[name], move, 0.0)
     return theta, new_local
 
 
@@ -420,8 +427,7 @@ def fsgld(
                 cfg,
                 estimator,
                 position,
-                data.arrays,
-                data.mask,
+                data,
                 chain.step + i,
                 draw_key,
             )

@@ -12,9 +12,9 @@ import numpy as np
 import numpyro
 from numpyro import handlers
 import numpyro.distributions as dist
-from numpyro.distributions import biject_to
 from numpyro.infer.util import log_density
 
+from numpyro_fed.densities import constrain_site
 from numpyro_fed.vertical.augment import z_name
 from numpyro_fed.vertical.data import VerticalData
 from numpyro_fed.vertical.structure import SERVER, VerticalStructure, fill_values
@@ -129,9 +129,8 @@ def numpyro_guide(vfl: Any, init_raws: dict) -> Callable:
                 size = int(np.prod(spec.unconstrained_shape))
                 x = flat[start : start + size].reshape(spec.unconstrained_shape)
                 start += size
-                t = biject_to(spec.support)
-                v = t(x)
-                log_det = jnp.sum(t.log_abs_det_jacobian(x, v))
+                v, log_det = constrain_site(spec.support, x)
+                log_det = jnp.sum(log_det)
                 values[name] = numpyro.sample(
                     name,
                     dist.Delta(v, log_density=-log_det, event_dim=len(spec.shape)),

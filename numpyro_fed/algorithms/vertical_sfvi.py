@@ -49,7 +49,7 @@ import numpy as np
 from numpyro_fed.checks import check_count
 from numpyro_fed.guard import guard_nonfinite
 from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
-from numpyro_fed.util import ascent
+from numpyro_fed.util import ascent, tree_where
 from numpyro_fed.vertical.augment import AugmentedModel, z_name
 from numpyro_fed.vertical.data import row_hash
 from numpyro_fed.vertical.families import VerticalFamily
@@ -438,7 +438,6 @@ def vertical_sfvi(
         return _switch(b.phase, branches, state)
 
     def server_step(state: VerticalServerState, replies: AuxSample, key, participating):
-        del participating  # every party takes part: the likelihood needs every z_j
         idx = round_rows(key)
         skey = jax.random.fold_in(key, server_noise)
         nothing = jnp.zeros((num,), bool)
@@ -494,7 +493,10 @@ def vertical_sfvi(
             ), info()
 
         branches = [collect, cross, update] if power else [send, update]
-        return _switch(state.phase, branches, state)
+        new, out = _switch(state.phase, branches, state)
+        # The likelihood needs every party's z_j: a round that misses a party's reply
+        # (a node that left) leaves the server as it was, to repeat the phase.
+        return tree_where(jnp.all(participating), new, state), out
 
     return guard_nonfinite(
         FederatedAlgorithm(

@@ -21,16 +21,17 @@ import jax.numpy as jnp
 from jax.scipy.linalg import solve_triangular
 import numpy as np
 import numpyro
-from numpyro import handlers
 import numpyro.distributions as dist
 from numpyro.distributions import biject_to, constraints
 from numpyro.infer.initialization import init_to_uniform
 
+from numpyro_fed.densities import constrain_site, real_entries
 from numpyro_fed.partition import (
     ModelRoles,
     SiteSpec,
     analyze,
     analyze_call,
+    init_values,
     site_specs,
 )
 
@@ -51,9 +52,7 @@ def _gaussian_log_density_terms(z, loc, scale, tril):
     leading block is that block's marginal density."""
     white = (z - loc) / scale
     if tril is not None:
-        white = solve_triangular(
-            unit_tril(tril), white, lower=True, unit_diagonal=True
-        )
+        white = solve_triangular(unit_tril(tril), white, lower=True, unit_diagonal=True)
     return -0.5 * _LOG_2PI - jnp.log(scale) - 0.5 * white**2
 
 
@@ -252,14 +251,10 @@ class AutoStructured:
         return glob, loc
 
     def _init_values(self, key, arrays, args, kwargs) -> dict:
-        model = handlers.substitute(
-            handlers.seed(self.model, key), substitute_fn=self.init_loc_fn
+        names = self.global_specs | self.local_specs
+        return init_values(
+            self.model, key, arrays, self.init_loc_fn, names, args, kwargs
         )
-        with handlers.block():
-            trace = handlers.trace(model).get_trace(*args, **kwargs, **arrays)
-        return {
-            name: trace[name]["value"] for name in self.global_specs | self.local_specs
-        }
 
     def init_global(self, key: jax.Array, template: dict, args=(), kwargs=None) -> dict:
         """Initial (constrained) global parameters :math:`\\eta_G`."""
@@ -319,9 +314,8 @@ class AutoStructured:
             size = int(np.prod(s.unconstrained_shape))
             u = z[start : start + size].reshape(s.unconstrained_shape)
             start += size
-            t = biject_to(s.support)
-            values[n] = t(u)
-            log_det = log_det + jnp.sum(t.log_abs_det_jacobian(u, values[n]))
+            values[n], ld = constrain_site(s.support, u)
+            log_det = log_det + jnp.sum(ld)
         return values, log_det
 
     def constrain_local(
@@ -336,19 +330,16 @@ class AutoStructured:
             shape = list(s.unconstrained_shape)
             shape.pop(s.unit_axis)
             size = int(np.prod(shape))
-            u = z[:, start : start + size].reshape((units, *shape))
-            block = None if mask is None else mask[:, start : start + size]
+            u = jnp.moveaxis(
+                z[:, start : start + size].reshape((units, *shape)), 0, s.unit_axis
+            )
+            keep = None
+            if mask is not None:
+                keep = mask[:, start : start + size].reshape((units, *shape))
+                keep = jnp.moveaxis(keep, 0, s.unit_axis)
             start += size
-            u = jnp.moveaxis(u, 0, s.unit_axis)
-            t = biject_to(s.support)
-            values[n] = t(u)
-            ld = jnp.moveaxis(t.log_abs_det_jacobian(u, values[n]), s.unit_axis, 0)
-            if block is not None:
-                # Nested plates are batch axes: a coordinate of an event is real
-                # exactly when its whole event is.
-                block = block.reshape((units, *shape))
-                block = block.reshape(block.shape[: ld.ndim] + (-1,)).all(-1)
-                ld = jnp.where(block, ld, 0.0)
+            values[n], ld = constrain_site(s.support, u, keep)
+            ld = jnp.moveaxis(ld, s.unit_axis, 0)
             log_det = log_det + ld.reshape(units, -1).sum(-1)
         return values, log_det
 
@@ -364,11 +355,8 @@ class AutoStructured:
         for s in specs:
             shape = list(s.unconstrained_shape)
             shape[s.unit_axis] = units
-            keep = jnp.ones(shape, bool)
-            for plate, axis in s.plates:
-                if plate in nested:
-                    real = jnp.arange(shape[axis]) < nested[plate]
-                    keep = keep & real.reshape(real.shape + (1,) * (len(shape) - axis - 1))
+            keep = real_entries(s, tuple(shape), None, nested)
+            keep = jnp.ones(shape, bool) if keep is None else keep
             blocks.append(jnp.moveaxis(keep, s.unit_axis, 0).reshape(units, -1))
         return jnp.concatenate(blocks, axis=-1)
 

@@ -97,6 +97,8 @@ class Driver:
     #: ``lax.scan``; shorter ones loop over the jitted round (a scan compiles the
     #: round a second time, which only pays off over many rounds).
     min_scan_steps = 1
+    #: Contract rounds per round, all on the round's keys (``Federation.exchanges``).
+    exchanges = 1
 
     def __init__(
         self,
@@ -189,8 +191,9 @@ class Driver:
     def federation(self, data: Any) -> Federation:
         """
         What the processes of a deployed run agree on for this data layout: the
-        algorithm, the number of silos, one silo's data layout and the server's key
-        chain, for :mod:`numpyro_fed.runtime.flower` (or any transport over
+        algorithm, the number of silos, one silo's data layout, the server's key
+        chain and, for the events runtime, its schedule, for
+        :mod:`numpyro_fed.runtime.flower` (or any transport over
         :mod:`numpyro_fed.runtime.remote`).
 
         ``data`` gives the layout (silo count, padded units, array shapes) and, in its
@@ -204,23 +207,24 @@ class Driver:
         :rtype: ~numpyro_fed.runtime.remote.Federation
         """
         algorithm, _ = self._build(data)
-        silo_data = self._silo_data(data)
-        if not hasattr(silo_data, "mask"):
-            raise NotImplementedError(
-                f"{type(self).__name__} runs its silos in groups of different "
-                "structure, which the remote runtimes do not carry yet."
-            )
-        num_silos = data.num_silos
+        num_silos, events = data.num_silos, self.runtime == "events"
         _, _, silo_keys = jax.eval_shape(
             lambda key: self._round_keys(key, num_silos), jax.random.key(0)
         )
         return Federation(
             algorithm,
             num_silos,
-            jax.eval_shape(lambda: take(silo_data, 0)),
+            self._silo_spec(data),
             lambda key: self._round_keys(key, num_silos)[:2],
             jax.ShapeDtypeStruct(silo_keys.shape[1:], silo_keys.dtype),
+            self.exchanges,
+            partial(self._schedule, num_silos=num_silos) if events else None,
         )
+
+    def _silo_spec(self, data: Any) -> Any:
+        """A deployed silo's data layout (or a tuple of one per silo)."""
+        silo_data = self._silo_data(data)
+        return jax.eval_shape(lambda: take(silo_data, 0))
 
     def _check(self, state: FederatedState, data: Any) -> None:
         """Raise unless ``state`` has the layout :meth:`init` gives on ``data``

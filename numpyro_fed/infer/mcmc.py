@@ -180,7 +180,7 @@ def _sample(
         algorithm,
         server,
         FSGLDSiloState(z_local),
-        silo_data_of(data),
+        silo_data_of(data, pot.nested),
         state.rng_key,
         state.silo_keys[state.silo],
     )
@@ -419,8 +419,10 @@ class FSGLD(MCMCKernel):
         """Raise unless ``z`` (and ``silo_keys``) fit ``data``'s layout; return the
         potential there."""
         pot = self.potential(data)
-        shapes = {s.name: s.shape for s in pot.global_sites}
-        shapes.update({s.name: (data.num_silos,) + s.shape for s in pot.local_sites})
+        shapes = {s.name: s.unconstrained_shape for s in pot.global_sites}
+        shapes.update(
+            {s.name: (data.num_silos,) + s.unconstrained_shape for s in pot.local_sites}
+        )
         expected = {k: jax.ShapeDtypeStruct(v, float) for k, v in shapes.items()}
         fix = "start the chain on these data (init, or a new MCMC run)"
         name = type(self).__name__
@@ -511,7 +513,7 @@ class FSGLD(MCMCKernel):
         z_global, z_local = pot.split(first.z)
         server = FSGLDServerState(z_global, first.step, first.silo, first.rng_key)
         silos = FSGLDSiloState(z_local)
-        silo_data = silo_data_of(data)
+        silo_data = silo_data_of(data, pot.nested)
         # The server's steps ignore their key; each silo draws from its own key
         # folded with the step counter, so one key per silo serves every round.
         server_key, silo_keys = first.rng_key, first.silo_keys

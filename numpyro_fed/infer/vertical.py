@@ -237,14 +237,13 @@ class VerticalSFVI(Driver):
                 f"The rows plate {structure.rows[0]!r} has size {structure.rows[1]} but "
                 f"the data have {data.num_rows} rows."
             )
-        # A likelihood that reads a party other than through its auxiliary would
-        # make the server's term depend on that party's latents: refuse it here
-        # rather than run a protocol that silently drops those gradients.
+        # A likelihood that reads a party other than through its auxiliary makes the
+        # server's term depend on that party's latents: refuse it, not drop gradients.
         likelihood_dependencies(self.model, data.pooled())
         self.structure = structure
-        self.family.setup(
-            structure, {p: self.model.rho_of(p) for p in structure.parties}
-        )
+        rhos = {p: self.model.rho_of(p) for p in structure.parties}
+        self.family.setup(structure, rhos)
+        self.exchanges = num_phases(structure.kind)  # the phases share a round's keys
         self._optims_by_owner = self._optims()
         data_keys = [name_key_data(o) for o in structure.parties + (SERVER,)]
         if len(set(data_keys)) < len(data_keys) or 0 in data_keys:
@@ -378,6 +377,10 @@ class VerticalSFVI(Driver):
             self._built["data"] = cached
         return cached[2]
 
+    def _silo_spec(self, data: VerticalData) -> tuple:
+        own = [self._party_data(data, p, 1) for p in self.structure.parties]
+        return tuple(jax.eval_shape(lambda: own))  # a deployed party: its own names
+
     def _round_keys(self, rng_key: jax.Array, num_silos: int):
         rng_key, k = jax.random.split(rng_key)
         parties = self.structure.parties
@@ -392,9 +395,7 @@ class VerticalSFVI(Driver):
         rows = self.structure.rows
         idx = None
         if rows is not None and rows[2] < rows[1]:
-            idx = jax.random.choice(
-                jax.random.fold_in(k, 0), rows[1], (rows[2],), False
-            )
+            idx = jax.random.choice(jax.random.fold_in(k, 0), rows[1], rows[2:], False)
         server_key = jax.random.fold_in(k, name_key_data(SERVER))
         party_keys = dict(zip(self.structure.parties, keys, strict=True))
         return rng_key, RoundKeys(idx, server_key, party_keys)

@@ -90,11 +90,14 @@ class FlowerRun(NamedTuple):
     - **state** - the final server state.
     - **infos** - the server's info of every round run.
     - **nodes** - ``{silo: node id}`` at the end.
+    - **missing** - per round, ``{silo: node id}`` of the silos contacted whose
+      reply did not come (a node that failed, left or missed ``round_timeout``).
     """
 
     state: Any
     infos: list
     nodes: dict
+    missing: list
 
 
 # ------------------------------------------------------------------- server side
@@ -121,15 +124,19 @@ def serve(
     Each round the server asks the nodes it has not seen which silo they serve,
     forgets nodes that left the grid, contacts the silos that ``select`` names and
     that have a node, and applies the replies that arrive within ``round_timeout``;
-    a silo without a reply did not take part in that round.
+    a silo without a reply did not take part in that round. With
+    ``federation.schedule`` a round is one pass of events (the sequential and
+    asynchronous schedules): the server contacts one silo at a time in the pass's
+    order, each with the message of the pass's staleness, and steps on each reply.
 
     :param Grid grid: the grid of ``@app.main()``.
     :param Federation federation: what every process agrees on.
-    :param int num_rounds: rounds to run.
+    :param int num_rounds: contract rounds to run (``federation.exchanges`` of them
+        make one round of the algorithm), or passes of events.
     :param str name: the fit's name, as the nodes' :func:`client_app` knows it.
     :param rng_key: the server's key (default: drawn at random).
-    :param float round_timeout: seconds to wait for a round's replies; a late reply
-        is dropped. ``None`` waits for all.
+    :param float round_timeout: seconds to wait for a round's replies (an event's
+        reply, in a pass of events); a late reply is dropped. ``None`` waits for all.
     :param float node_timeout: seconds to wait for every silo's node at the start.
     :param on_round: called as ``on_round(t, info)`` after each round.
     :param int checkpoint_every: write the server state and key to
@@ -164,32 +171,43 @@ def serve(
             checkpoint_dir, {"server": state, "rng_key": key}, expect_meta=meta
         )
         state, key = saved["server"], saved["rng_key"]
-    infos, contacted = [], []
+    infos, contacted, missing = [], [], []
     for t in range(start, num_rounds):
         nodes = _find_silos(grid, name, num_silos, 0.0, nodes)
         available = np.zeros(num_silos, bool)
         available[list(nodes)] = True
-        flat, round_ = server.messages(state, key, available)
         config = {"name": name, "round": t, "start": start, "every": every or 0}
-        replies = _exchange(grid, config, flat, nodes, round_timeout)
+        missing.append({})
+
+        def exchange(flat, nodes=nodes, config=config, lost=missing[-1]):
+            replies = _exchange(grid, config, flat, nodes, round_timeout)
+            lost.update({j: nodes[j] for j in flat if j not in replies})
+            return replies
+
         try:
-            state, key, info = server.apply(state, round_, replies)
+            state, key, info, contacted_t = server.round(
+                state, key, available, exchange, t
+            )
         except TemplateMismatch as error:
             raise TemplateMismatch(
                 f"round {t}: {error} (nodes: {_named(nodes)}); nothing was applied."
             ) from None
-        _warn_rejected(t, np.asarray(info.rejected), nodes)
+        rejected = np.asarray(info.rejected)
+        rejected = rejected.any(0) if rejected.ndim > 1 else rejected  # a pass
+        _warn_rejected(t, rejected, nodes)
         infos.append(info)
-        contacted.append(np.isin(np.arange(num_silos), list(flat)))
+        contacted.append(contacted_t)
         if every is not None and (t + 1) % every == 0:
             state_and_key = {"server": state, "rng_key": key}
             save_checkpoint(checkpoint_dir, state_and_key, step=t + 1, meta=meta)
         if on_round is not None:
             on_round(t, info)
-    run = FlowerRun(state, infos, dict(nodes))
+    run = FlowerRun(state, infos, dict(nodes), missing)
     if infos:
         history = {
-            "rejected": np.stack([np.asarray(i.rejected) for i in infos]),
+            "rejected": np.stack(
+                [np.asarray(i.rejected).reshape(-1, num_silos).any(0) for i in infos]
+            ),
             "contacted": np.stack(contacted),
         }
         labels = [f"silo {j} (node {nodes.get(j)})" for j in range(num_silos)]
@@ -308,9 +326,9 @@ def _exchange(
     missing = sorted(set(flat) - set(replies))
     if missing:
         logger.warning(
-            "round %d: no reply from silos %s; they do not take part in it.",
+            "round %d: no reply from %s; they do not take part in it.",
             round_index,
-            missing,
+            ", ".join(f"silo {j} (node {nodes[j]})" for j in missing),
         )
     return replies
 
@@ -369,7 +387,8 @@ def client_app(
 
     :param make_federation: ``context -> Federation`` (the same on every process).
     :param load_silo: ``context -> (silo index, SiloData)``: the node's own data,
-        padded to the federation's layout; called once per node and process.
+        padded to the federation's layout of that silo; called once per node and
+        process.
     :param dict fits: instead of the two above, ``{name: (make_federation,
         load_silo)}`` for a node that serves several fits (the server's
         :func:`serve` names the fit in each message).
@@ -400,7 +419,8 @@ def client_app(
         if cache_key not in silos:
             index, data = load(context)
             federation = federations[context.run_id, name]
-            silo = RemoteSilo(federation, data, _root(context, root_key, name))
+            root = _root(context, root_key, name)
+            silo = RemoteSilo(federation, data, root, silo=int(index))
             silos[cache_key] = (int(index), silo)
         return silos[cache_key]
 

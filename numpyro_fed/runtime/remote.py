@@ -13,6 +13,12 @@ round ``t`` is folded from a root key that only the silo holds (:func:`silo_key`
 nothing the server sends lets it replay a silo's computation. A reply that does not
 match the reply template is refused with an error that names the silo and the field,
 before anything is applied; a reply that never came is a silo that did not take part.
+
+Silos whose data and states differ in structure (vertical FL's parties) give one data
+layout per silo (``Federation.silo_spec`` a tuple): each silo's state and reply are
+then read against its own template. An algorithm whose round is several contract
+rounds on the same keys (``Federation.exchanges``) has the key chain advance once per
+round, for the server and the silos alike.
 """
 
 from typing import Any, Callable, NamedTuple
@@ -21,7 +27,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from numpyro_fed.protocol import FederatedAlgorithm, SiloData, jit_algorithm
+from numpyro_fed.checks import check_count
+from numpyro_fed.protocol import (
+    FederatedAlgorithm,
+    SiloData,
+    jit_algorithm,
+    select_all,
+)
 from numpyro_fed.runtime.codec import decode, encode
 from numpyro_fed.util import stack, zeros_like_shapes
 
@@ -40,16 +52,42 @@ class Federation(NamedTuple):
     - **algorithm** - the :class:`~numpyro_fed.FederatedAlgorithm`.
     - **num_silos** - ``J``.
     - **silo_spec** - one silo's :class:`~numpyro_fed.protocol.SiloData` as
-      ``jax.ShapeDtypeStruct`` leaves (the layout every silo pads its data to).
+      ``jax.ShapeDtypeStruct`` leaves (the layout every silo pads its data to), or a
+      tuple of one such layout per silo when the silos' data differ in structure.
     - **round_keys** - ``rng_key -> (rng_key, server_key)``: the server's key chain.
     - **silo_key_like** - the ``jax.ShapeDtypeStruct`` of one silo's round key.
+    - **exchanges** - contract rounds (message, replies, server step) per round, all
+      on the round's server key and silo keys (default 1): an algorithm whose
+      iteration takes several phases on one draw of its noise.
+    - **schedule** - ``rng_key -> (rng_key, EventSchedule)``: run each round as one
+      pass of events (visit order, staleness and server keys, as
+      :func:`~numpyro_fed.runtime.event_round` runs them: the sequential and
+      asynchronous schedules), or ``None`` (default): synchronous rounds.
     """
 
     algorithm: FederatedAlgorithm
     num_silos: int
-    silo_spec: SiloData
+    silo_spec: Any
     round_keys: Callable
     silo_key_like: Any
+    exchanges: int = 1
+    schedule: Callable | None = None
+
+    def spec(self, silo: int | None) -> SiloData:
+        """Silo ``silo``'s data layout (``None``: the layout every silo shares)."""
+        if isinstance(self.silo_spec, SiloData):
+            return self.silo_spec
+        if silo is None:
+            raise ValueError(
+                "The federation's silos have data of different structure: name the "
+                "silo (RemoteSilo(..., silo=j))."
+            )
+        if len(self.silo_spec) != self.num_silos or not 0 <= silo < self.num_silos:
+            raise ValueError(
+                f"The federation gives {len(self.silo_spec)} silo layouts for "
+                f"{self.num_silos} silos; silo {silo} has none."
+            )
+        return self.silo_spec[silo]
 
 
 def silo_key(root: jax.Array, round_index: int, like: Any) -> jax.Array:
@@ -59,18 +97,21 @@ def silo_key(root: jax.Array, round_index: int, like: Any) -> jax.Array:
     return jax.random.split(key, like.shape) if like.shape else key
 
 
-def _templates(fed: Federation) -> dict:
+def _templates(fed: Federation, silo: int | None) -> dict:
     alg = fed.algorithm
     key = jax.random.key(0)
     _, server_key = jax.eval_shape(fed.round_keys, key)
     server = jax.eval_shape(alg.init_server, key)
     message = jax.eval_shape(alg.server_message, server, server_key)
-    message_j = jax.eval_shape(lambda m: m.at(0), message)
-    silo = jax.eval_shape(alg.init_silo, key, fed.silo_spec)
-    reply = jax.eval_shape(
-        alg.silo_step, message_j, silo, fed.silo_spec, fed.silo_key_like
-    )[0]
-    return dict(server=server, message=message_j, silo=silo, reply=reply)
+    message_j = jax.eval_shape(lambda m: m.at(silo or 0), message)
+    spec = fed.spec(silo)
+    state = jax.eval_shape(alg.init_silo, key, spec)
+    reply = jax.eval_shape(alg.silo_step, message_j, state, spec, fed.silo_key_like)[0]
+    return dict(server=server, message=message_j, silo=state, reply=reply)
+
+
+def _per_silo(fed: Federation) -> bool:
+    return not isinstance(fed.silo_spec, SiloData)
 
 
 class RemoteServer:
@@ -83,9 +124,18 @@ class RemoteServer:
     def __init__(self, federation: Federation) -> None:
         self.federation = federation
         self.algorithm = jit_algorithm(federation.algorithm)
-        self.templates = _templates(federation)
-        self._placeholder = zeros_like_shapes(self.templates["reply"])
+        self.templates = _templates(federation, 0 if _per_silo(federation) else None)
+        self.exchanges = check_count("exchanges", federation.exchanges)
+        #: Each silo's reply template (one shared when the silos share a layout).
+        self.replies = [self.templates["reply"]] * federation.num_silos
+        if _per_silo(federation):
+            self.replies = [
+                _templates(federation, j)["reply"] for j in range(federation.num_silos)
+            ]
+        self._placeholders = [zeros_like_shapes(r) for r in self.replies]
         self._round_keys = jax.jit(federation.round_keys)
+        if federation.schedule is not None:
+            self._schedule = jax.jit(federation.schedule)
 
     def init(self, rng_key: jax.Array) -> tuple[Any, jax.Array]:
         """``(server_state, rng_key)`` to start from."""
@@ -93,28 +143,25 @@ class RemoteServer:
         return self.algorithm.init_server(init_key), rng_key
 
     def messages(
-        self, state: Any, rng_key: jax.Array, available: np.ndarray
+        self, state: Any, rng_key: jax.Array, available: np.ndarray, index: int = 0
     ) -> tuple[dict[int, dict], Any]:
-        """This round's flat message for every silo the server contacts.
+        """This contract round's flat message for every silo the server contacts.
 
         :param state: the server state.
-        :param rng_key: the run's key before this round.
+        :param rng_key: the run's key before this contract round.
         :param available: ``(J,)`` booleans, the silos the transport can reach.
+        :param int index: the contract round's index in the run (the key chain
+            advances after the last of every ``federation.exchanges``).
         :return: ``({silo: flat message}, round)``; pass ``round`` to :meth:`apply`.
         """
         num_silos = self.federation.num_silos
-        rng_key, server_key = self._round_keys(rng_key)
+        next_key, server_key = self._round_keys(rng_key)
+        if (index + 1) % self.exchanges == 0:
+            rng_key = next_key
         chosen = np.asarray(self.algorithm.select(state, server_key, num_silos))
         contacted = np.flatnonzero(chosen & np.asarray(available, bool))
         message = self.algorithm.server_message(state, server_key)
-        broadcast = encode(message.broadcast)
-        out = {}
-        for j in contacted:
-            routed = encode(jax.tree.map(lambda x, j=j: x[j], message.routed))
-            out[int(j)] = {
-                **{"broadcast" + k: v for k, v in broadcast.items()},
-                **{"routed" + k: v for k, v in routed.items()},
-            }
+        out = {int(j): _flat_message(message, j) for j in contacted}
         return out, (rng_key, server_key)
 
     def apply(
@@ -130,18 +177,86 @@ class RemoteServer:
             is applied).
         """
         rng_key, server_key = round_
+        state, info = self._server_step(state, replies, server_key)
+        return state, rng_key, info
+
+    def _server_step(self, state: Any, replies: dict, server_key: jax.Array):
         num_silos = self.federation.num_silos
         decoded = {
-            j: decode(flat, self.templates["reply"], source=f"silo {j}'s reply")
+            j: decode(flat, self.replies[j], source=f"silo {j}'s reply")
             for j, flat in sorted(replies.items())
         }
-        rows = [decoded.get(j, self._placeholder) for j in range(num_silos)]
+        rows = [decoded.get(j, self._placeholders[j]) for j in range(num_silos)]
         participating = np.zeros(num_silos, bool)
         participating[list(decoded)] = True
-        state, info = self.algorithm.server_step(
+        return self.algorithm.server_step(
             state, stack(rows), server_key, jnp.asarray(participating)
         )
-        return state, rng_key, info
+
+    def round(
+        self,
+        state: Any,
+        rng_key: jax.Array,
+        available: np.ndarray,
+        exchange: Callable[[dict[int, dict]], dict[int, dict]],
+        index: int = 0,
+    ) -> tuple[Any, jax.Array, Any, np.ndarray]:
+        """
+        One round through a transport: a synchronous contract round, or with
+        ``federation.schedule`` one pass of events.
+
+        :param state: the server state.
+        :param rng_key: the run's key before this round.
+        :param available: ``(J,)`` booleans, the silos the transport can reach.
+        :param exchange: ``{silo: flat message} -> {silo: flat reply}``: the
+            transport (the replies that arrived).
+        :param int index: the round's index in the run.
+        :return: ``(server_state, rng_key, info, contacted)``: for a pass, ``info``
+            stacked along a leading event axis; ``contacted``: ``(J,)`` booleans.
+        :raises TemplateMismatch: a reply that does not match its template (nothing
+            of that contract round is applied).
+        """
+        if self.federation.schedule is not None:
+            return self._events(state, rng_key, available, exchange)
+        flat, round_ = self.messages(state, rng_key, available, index)
+        state, rng_key, info = self.apply(state, round_, exchange(flat))
+        return state, rng_key, info, np.isin(np.arange(len(available)), list(flat))
+
+    def _events(self, state, rng_key, available, exchange):
+        """One pass of ``federation.schedule`` as
+        :func:`~numpyro_fed.runtime.event_round` runs it: at event ``i`` the server
+        forms its message, silo ``order[i]`` steps on the message of
+        ``staleness[i]`` updates ago (never older than the pass's start) and the
+        server steps on its one reply; a silo not chosen (``select``) or out of
+        reach is skipped and the server state kept."""
+        alg, num_silos = self.algorithm, self.federation.num_silos
+        rng_key, schedule = self._schedule(rng_key)
+        order, lags = np.asarray(schedule.order), np.asarray(schedule.staleness)
+        keys = list(schedule.server_keys)
+        # the messages of the last updates, newest first; at the start of the pass
+        # every slot holds the pass's first message
+        buffer = [alg.server_message(state, keys[0])] * (int(lags.max(initial=0)) + 1)
+        infos, contacted = [], np.zeros(num_silos, bool)
+        for j, lag, key in zip(order.tolist(), lags.tolist(), keys, strict=True):
+            chosen = bool(available[j])
+            if chosen and alg.select is not select_all:
+                chosen = bool(alg.select(state, key, num_silos)[j])
+            buffer = [alg.server_message(state, key)] + buffer[:-1]
+            replies = exchange({j: _flat_message(buffer[lag], j)}) if chosen else {}
+            contacted[j] |= chosen
+            new, info = self._server_step(state, replies, key)
+            state = new if j in replies else state
+            infos.append(info)
+        return state, rng_key, stack(infos), contacted
+
+
+def _flat_message(message: Any, j: int) -> dict:
+    """Silo ``j``'s view of ``message`` (``Message.at(j)``) as one flat dict."""
+    routed = encode(jax.tree.map(lambda x: x[j], message.routed))
+    return {
+        **{"broadcast" + k: v for k, v in encode(message.broadcast).items()},
+        **{"routed" + k: v for k, v in routed.items()},
+    }
 
 
 class RemoteSilo:
@@ -149,18 +264,26 @@ class RemoteSilo:
     The silo half of a remote round: one silo's data, state and key.
 
     :param Federation federation: what every process agrees on.
-    :param SiloData data: this silo's data, padded to ``federation.silo_spec``.
+    :param SiloData data: this silo's data, padded to ``federation.spec(silo)``.
     :param jax.Array root_key: this silo's own key; it never leaves the silo.
+    :param int silo: this silo's index (needed when the silos' layouts differ).
     """
 
     def __init__(
-        self, federation: Federation, data: SiloData, root_key: jax.Array
+        self,
+        federation: Federation,
+        data: SiloData,
+        root_key: jax.Array,
+        silo: int | None = None,
     ) -> None:
         self.federation = federation
-        self.templates = _templates(federation)
+        silo = silo if _per_silo(federation) else None
+        self.templates = _templates(federation, silo)
+        self.exchanges = check_count("exchanges", federation.exchanges)
+        expected_spec = federation.spec(silo)
         spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), data)
-        if spec != federation.silo_spec:
-            expected = sorted(federation.silo_spec.nested)
+        if spec != expected_spec:
+            expected = sorted(expected_spec.nested)
             ragged = (
                 f" The model's nested plates {expected} are ragged: give each one's "
                 "real size on this silo in SiloData(..., nested={plate: size})."
@@ -169,8 +292,7 @@ class RemoteSilo:
             )
             raise ValueError(
                 f"This silo's data {spec} do not have the federation's layout "
-                f"{federation.silo_spec}: pad them to the same units and dtypes."
-                + ragged
+                f"{expected_spec}: pad them to the same units and dtypes." + ragged
             )
         self.data = data
         self.root_key = root_key
@@ -186,14 +308,17 @@ class RemoteSilo:
         self, message: dict, state: dict | None, round_index: int
     ) -> tuple[dict, dict]:
         """One ``silo_step``: ``(flat reply, flat state)`` from a flat message and
-        the flat state (``None``: start from :meth:`init`)."""
+        the flat state (``None``: start from :meth:`init`) in contract round
+        ``round_index`` (whose key is its round's: ``round_index // exchanges``)."""
         message = _unprefix(message, self.templates["message"])
         state = decode(
             self.init() if state is None else state,
             self.templates["silo"],
             source="the stored silo state",
         )
-        key = silo_key(self.root_key, round_index, self.federation.silo_key_like)
+        key = silo_key(
+            self.root_key, round_index // self.exchanges, self.federation.silo_key_like
+        )
         reply, state = self._step(message, state, self.data, key)
         return encode(reply), encode(state)
 
@@ -221,13 +346,15 @@ def run_remote(
     """
     The remote round run in one process, silo by silo, through flat dicts: what a
     transport does, without the transport (the reference Flower is tested against).
+    ``num_rounds`` counts contract rounds (``federation.exchanges`` per round), or
+    passes of events with ``federation.schedule``.
 
     :return: ``(server_state, infos)``.
     """
     server = RemoteServer(federation)
     silos = [
-        RemoteSilo(federation, d, k)
-        for d, k in zip(silo_data, silo_roots, strict=True)
+        RemoteSilo(federation, d, k, silo=j)
+        for j, (d, k) in enumerate(zip(silo_data, silo_roots, strict=True))
     ]
     states: list = [None] * len(silos)
     state, rng_key = server.init(rng_key)
@@ -236,10 +363,13 @@ def run_remote(
         reach = (
             np.ones(federation.num_silos, bool) if available is None else available(t)
         )
-        messages, round_ = server.messages(state, rng_key, reach)
-        replies = {}
-        for j, message in messages.items():
-            replies[j], states[j] = silos[j].step(message, states[j], t)
-        state, rng_key, info = server.apply(state, round_, replies)
+
+        def exchange(messages, t=t):
+            replies = {}
+            for j, message in messages.items():
+                replies[j], states[j] = silos[j].step(message, states[j], t)
+            return replies
+
+        state, rng_key, info, _ = server.round(state, rng_key, reach, exchange, t)
         infos.append(info)
     return state, infos

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
-from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
-from numpyro_fed.runtime.simulate import simulate_round, vmap_silos
+from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData, vmap_silos
+from numpyro_fed.runtime.simulate import simulate_round
 
 __all__ = ["SILO_AXIS", "sharded_round", "silo_mesh"]
 

@@ -7,10 +7,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData, select_all
+from numpyro_fed.protocol import (
+    FederatedAlgorithm,
+    SiloData,
+    select_all,
+    vmap_silos,
+)
 from numpyro_fed.util import rows_where
 
-__all__ = ["contacted_silos", "init_states", "simulate_round", "vmap_silos"]
+__all__ = ["contacted_silos", "init_states", "simulate_round"]
 
 
 def contacted_silos(
@@ -29,16 +34,6 @@ def contacted_silos(
     return chosen if participating is None else chosen & participating
 
 
-def vmap_silos(
-    silo_step: Any, message: Message, states: Any, data: SiloData, keys: jax.Array
-) -> tuple[Any, Any]:
-    """Every silo's ``silo_step`` at once under :func:`jax.vmap` (the routed part of
-    ``message`` and the silos' states, data and keys along a leading silo axis)."""
-    return jax.vmap(silo_step, in_axes=(Message(None, 0), 0, 0, 0))(
-        message, states, data, keys
-    )
-
-
 def simulate_round(
     algorithm: FederatedAlgorithm,
     server_state: Any,
@@ -49,6 +44,7 @@ def simulate_round(
     participating: jax.Array | None = None,
     *,
     step_silos: Any = vmap_silos,
+    reduce: bool = True,
 ) -> tuple[Any, Any, Any]:
     """
     One round with every silo stepped at once under :func:`jax.vmap`.
@@ -67,6 +63,9 @@ def simulate_round(
         in this round (default: all).
     :param step_silos: how all silos are stepped, as :func:`vmap_silos` (the sharded
         runtime spreads them over devices).
+    :param bool reduce: with the default ``step_silos``, use the algorithm's
+        ``reduce_silos`` when it has one (the same round to rounding, with one
+        pull-back through the shared quantities instead of one per silo).
     :return: ``(server_state, silo_states, info)``.
     """
     num_silos = silo_data.mask.shape[0]
@@ -74,9 +73,15 @@ def simulate_round(
         algorithm, server_state, server_key, num_silos, participating
     )
     message = algorithm.server_message(server_state, server_key)
-    replies, new_states = step_silos(
-        algorithm.silo_step, message, silo_states, silo_data, silo_keys
-    )
+    if reduce and algorithm.reduce_silos is not None and step_silos is vmap_silos:
+        mask = jnp.ones((num_silos,), bool) if contacted is None else contacted
+        replies, new_states = algorithm.reduce_silos(
+            message, silo_states, silo_data, silo_keys, mask
+        )
+    else:
+        replies, new_states = step_silos(
+            algorithm.silo_step, message, silo_states, silo_data, silo_keys
+        )
     if contacted is None:
         contacted = jnp.ones((num_silos,), bool)
     else:

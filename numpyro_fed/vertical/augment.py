@@ -30,6 +30,7 @@ from numpyro import handlers
 import numpyro.distributions as dist
 from numpyro.primitives import _PYRO_STACK, Messenger
 
+from numpyro_fed.densities import site_log_prob
 from numpyro_fed.vertical.markers import (
     BLOCK_MSG,
     CONTRIBUTION_MSG,
@@ -37,7 +38,7 @@ from numpyro_fed.vertical.markers import (
     vertical,
 )
 
-__all__ = ["AugmentedModel", "VerticalModelError", "augment", "site_log_prob"]
+__all__ = ["AugmentedModel", "VerticalModelError", "augment"]
 
 KINDS = ("augmented", "power")
 
@@ -54,20 +55,6 @@ def z_name(party: str) -> str:
 def copy_name(party: str) -> str:
     """Name of party ``party``'s power-likelihood factor."""
     return f"{party}/power_likelihood"
-
-
-def site_log_prob(site: dict) -> jax.Array:
-    """A traced sample site's summed log density, with its mask and scale (as in
-    ``numpyro.infer.util.log_density``)."""
-    value, fn = site["value"], site["fn"]
-    if site.get("intermediates"):
-        log_prob = fn.log_prob(value, site["intermediates"])
-    else:
-        log_prob = fn.log_prob(value)
-    scale = site.get("scale")
-    if scale is not None:
-        log_prob = scale * log_prob
-    return jnp.sum(log_prob)
 
 
 def _is_likelihood(msg: dict) -> bool:

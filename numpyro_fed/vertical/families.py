@@ -28,6 +28,7 @@ import numpy as np
 import numpyro.distributions as dist
 from numpyro.distributions import biject_to
 
+from numpyro_fed.densities import constrain_site
 from numpyro_fed.vertical.structure import SERVER, VerticalStructure
 
 __all__ = ["VerticalFamily"]
@@ -111,7 +112,9 @@ class VerticalFamily:
         raw: dict = {}
         if d:
             raw["loc"] = jnp.zeros(d)
-            raw["scale"] = jnp.full((d,), _softplus_inv(self.init_scale))
+            # a strong dtype (not a Python float's weak one): a round that returns
+            # it strongly typed would otherwise compile a second time
+            raw["scale"] = jnp.full((d,), _softplus_inv(self.init_scale), float)
             if self.theta_cov == "full":
                 raw["tril"] = jnp.zeros((d, d))
         raw["param"] = {
@@ -125,7 +128,7 @@ class VerticalFamily:
             rows, shape = self._z_full_shape(owner)
             base = jnp.zeros(shape) if u is None else jnp.broadcast_to(u, shape)
             raw["z_loc"] = base
-            raw["z_scale"] = jnp.full(shape, _softplus_inv(rho))
+            raw["z_scale"] = jnp.full(shape, _softplus_inv(rho), float)
         else:
             sizes = (self.num_inputs(),) + self.hidden + (2,)
             keys = jax.random.split(key, len(sizes) - 1)
@@ -188,10 +191,8 @@ class VerticalFamily:
             size = int(np.prod(spec.unconstrained_shape))
             x = flat[start : start + size].reshape(spec.unconstrained_shape)
             start += size
-            transform = biject_to(spec.support)
-            y = transform(x)
-            log_det = log_det + jnp.sum(transform.log_abs_det_jacobian(x, y))
-            values[name] = y
+            values[name], ld = constrain_site(spec.support, x)
+            log_det = log_det + jnp.sum(ld)
         return values, log_det
 
     def draw_latents(

@@ -13,12 +13,8 @@ from numpyro import handlers
 from numpyro.distributions import biject_to, constraints
 from numpyro.infer.inspect import get_dependencies
 
-from numpyro_fed.vertical.augment import (
-    AugmentedModel,
-    VerticalModelError,
-    site_log_prob,
-    z_name,
-)
+from numpyro_fed.densities import sum_log_probs
+from numpyro_fed.vertical.augment import AugmentedModel, VerticalModelError, z_name
 from numpyro_fed.vertical.markers import party_of
 
 __all__ = [
@@ -280,11 +276,7 @@ def owner_log_density(
     """
     seeded = handlers.seed(handlers.substitute(model, data=values), jax.random.key(0))
     tr = handlers.trace(seeded).get_trace(**arrays)
-    total = jnp.zeros(())
-    for site in tr.values():
-        if site["type"] == "sample" and (party_of(site) or SERVER) == owner:
-            total = total + site_log_prob(site)
-    return total
+    return sum_log_probs(tr, lambda site: (party_of(site) or SERVER) == owner)
 
 
 def num_rows_in_batch(structure: VerticalStructure) -> int:

@@ -7,7 +7,9 @@ non-finite reply is rejected while the run goes on, and the generic runtimes run
 with no algorithm named.
 
 Each case builds an algorithm from a factory and the states and keys of one round;
-adding an algorithm means adding one case."""
+adding an algorithm means adding one case. Vertical SFVI's parties are silos whose
+data and states differ in structure: its case runs under the grouped runtime, and the
+checks that stack every silo along one axis say why they do not apply to it."""
 
 from functools import partial
 from typing import Any, Callable, NamedTuple
@@ -15,6 +17,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpyro
+import numpyro.distributions as dist
 import optax
 import pytest
 
@@ -23,9 +27,15 @@ from numpyro_fed.algorithms.fedgvi import fedgvi, gce_loss
 from numpyro_fed.algorithms.pvi import pvi
 from numpyro_fed.algorithms.sfvi import sfvi
 from numpyro_fed.algorithms.sfvi_avg import sfvi_avg
+from numpyro_fed.algorithms.vertical_sfvi import num_phases, vertical_sfvi
 from numpyro_fed.densities import data_template
 from numpyro_fed.elbo import noise_keys
-from numpyro_fed.protocol import FederatedAlgorithm, jit_algorithm, silo_data_of
+from numpyro_fed.protocol import (
+    FederatedAlgorithm,
+    SiloData,
+    jit_algorithm,
+    silo_data_of,
+)
 from numpyro_fed.runtime import (
     event_round,
     event_schedule,
@@ -33,7 +43,9 @@ from numpyro_fed.runtime import (
     sequential_round,
     simulate_round,
 )
+from numpyro_fed.runtime.groups import group_round, stack_groups, unstack_groups
 from numpyro_fed.util import all_finite, take
+from numpyro_fed.vertical.structure import SERVER, vertical_structure
 from tests import _models as m
 
 
@@ -41,8 +53,14 @@ class Case(NamedTuple):
     """- **algorithm** - the factory's output.
     - **data** - the silos' :class:`~numpyro_fed.FederatedData` (units padded to a
       size that no parameter has, so a unit axis in a message is detectable).
+      With ``groups`` set: a tuple of each silo's own
+      :class:`~numpyro_fed.protocol.SiloData`.
     - **server_key** / **silo_keys** - one round's keys.
-    - **poison** - ``(silo_data, j) -> silo_data`` with silo j's data made non-finite.
+    - **poison** - ``(silo_data, j) -> silo_data`` with silo j's data made non-finite
+      (``silo_data`` as the case's round function takes it).
+    - **groups** - ``None`` when the silos share one structure; else the silos in
+      groups of equal structure (:func:`~numpyro_fed.runtime.groups.group_round`).
+    - **exchanges** - contract rounds per round, on the round's keys.
     """
 
     algorithm: FederatedAlgorithm
@@ -50,6 +68,16 @@ class Case(NamedTuple):
     server_key: Any
     silo_keys: Any
     poison: Callable
+    groups: tuple | None = None
+    exchanges: int = 1
+
+
+def silo_list(case: Case) -> list:
+    """Each silo's own :class:`~numpyro_fed.protocol.SiloData`, in silo order."""
+    if case.groups is not None:
+        return list(case.data)
+    stacked = silo_data_of(case.data)
+    return [take(stacked, j) for j in range(case.data.num_silos)]
 
 
 def _hierarchical_data():
@@ -147,6 +175,71 @@ def case_dsgld() -> Case:
     return _sgld_case(lambda data: nf.DSGLD(fed, 1e-3, tau=3))
 
 
+def _vertical_model(x_a, x_b, x_c, y=None):
+    """Three parties of different structure: a hyperprior and 2 columns, 3 columns,
+    one column; a server intercept."""
+    b = numpyro.sample("b", dist.Normal(0.0, 1.0))
+    with nf.vertical("a"):
+        s = numpyro.sample("s_a", dist.HalfNormal(1.0))
+        beta_a = numpyro.sample("beta_a", dist.Normal(0.0, s).expand([2]).to_event(1))
+        with numpyro.plate("rows", x_a.shape[0]):
+            e_a = nf.contribution("a", x_a @ beta_a)
+    with nf.vertical("b"):
+        beta_b = numpyro.sample("beta_b", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
+        with numpyro.plate("rows", x_b.shape[0]):
+            e_b = nf.contribution("b", x_b @ beta_b)
+    with nf.vertical("c"):
+        beta_c = numpyro.sample("beta_c", dist.Normal(0.0, 1.0))
+        with numpyro.plate("rows", x_c.shape[0]):
+            e_c = nf.contribution("c", x_c * beta_c)
+    with numpyro.plate("rows", x_a.shape[0]):
+        numpyro.sample("y", dist.Normal(b + e_a + e_b + e_c, 0.5), obs=y)
+
+
+def _poison_party(silo_data, j):
+    # one group per party: group j is party j; its own columns turn non-finite
+    group = silo_data[j]
+    ((party, view),) = group.arrays.items()
+    view = {k: jnp.full_like(v, jnp.nan) for k, v in view.items()}
+    bad = group._replace(arrays={party: view})
+    return silo_data[:j] + (bad,) + silo_data[j + 1 :]
+
+
+def vertical_problem():
+    """``(augmented model, VerticalData)``: 3 parties of different structure, 9 rows."""
+    rng = np.random.default_rng(2)
+    n = 9
+    xs = {"a": rng.normal(size=(n, 2)), "b": rng.normal(size=(n, 3))}
+    xs["c"] = rng.normal(size=n)
+    y = xs["a"] @ [1.0, -0.5] + xs["b"] @ [0.5, 0.2, -1.0] - xs["c"]
+    # zeros (not NaN) in the columns a party does not hold: the eager round meets
+    # NumPyro's argument validation
+    arrays = {p: {f"x_{p}": jnp.asarray(x)} for p, x in xs.items()}
+    data = nf.VerticalData(arrays, {"y": jnp.asarray(y)}, placeholder=0.0)
+    return nf.augment(_vertical_model, 0.3), data
+
+
+def case_vertical_sfvi() -> Case:
+    model, data = vertical_problem()
+    n = data.num_rows
+    structure = vertical_structure(model, data.pooled())
+    family = nf.VerticalFamily()
+    family.setup(structure, {p: model.rho_of(p) for p in structure.parties})
+    owners = structure.parties + (SERVER,)
+    optims = {o: optax.adam(1e-2) for o in owners}
+    algorithm = vertical_sfvi(model, family, structure, optims, data.view(SERVER))
+    silos = tuple(
+        SiloData({p: data.view(p)}, jnp.ones((n,), bool), jnp.arange(n))
+        for p in structure.parties
+    )
+    groups = tuple((j,) for j in range(len(silos)))
+    silo_keys = jax.random.split(jax.random.key(3), len(silos))
+    exchanges = num_phases(structure.kind)
+    return Case(
+        algorithm, silos, jax.random.key(4), silo_keys, _poison_party, groups, exchanges
+    )
+
+
 CASES = {
     "sfvi": case_sfvi,
     "sfvi_avg": case_sfvi_avg,
@@ -154,16 +247,33 @@ CASES = {
     "fedgvi": case_fedgvi,
     "fsgld": case_fsgld,
     "dsgld": case_dsgld,
+    "vertical_sfvi": case_vertical_sfvi,
 }
+#: Cases whose silos differ in structure (``Case.groups`` set): the runtimes that
+#: stack every silo along one axis (simulate, events, sharded) do not carry them.
+GROUPED = frozenset({"vertical_sfvi"})
 
 
 class Prepared(NamedTuple):
-    """A case with its initial states and one compiled simulated round."""
+    """A case with its initial states and one compiled round (simulated, or grouped
+    for a case with ``groups``); ``round_py`` is the same round, not jitted."""
 
     case: Case
     args: tuple
+    round_py: Callable
     round_fn: Callable
     result: tuple
+
+
+def _not_for_grouped(prepared, why: str) -> None:
+    if prepared.case.groups is not None:
+        pytest.skip(f"silos of different structure ({prepared.case.groups}): {why}")
+
+
+def _silo_states(prepared, silos) -> list:
+    if prepared.case.groups is None:
+        return [take(silos, j) for j in range(jax.tree.leaves(silos)[0].shape[0])]
+    return unstack_groups(silos, prepared.case.groups)
 
 
 @pytest.fixture(params=sorted(CASES), scope="module")
@@ -171,26 +281,44 @@ def prepared(request):
     case = CASES[request.param]()
     algorithm = case.algorithm
     server = jax.jit(algorithm.init_server)(jax.random.key(0))
-    keys = jax.random.split(jax.random.key(1), case.data.num_silos)
-    silo_data = silo_data_of(case.data)
-    silos = jax.jit(jax.vmap(algorithm.init_silo))(keys, silo_data)
-    args = (server, silos, silo_data, case.server_key, case.silo_keys)
-    round_fn = jax.jit(partial(simulate_round, algorithm))
-    return Prepared(case, args, round_fn, round_fn(*args))
+    per_silo = silo_list(case)
+    keys = jax.random.split(jax.random.key(1), len(per_silo))
+    if case.groups is None:
+        silo_data = silo_data_of(case.data)
+        silos = jax.jit(jax.vmap(algorithm.init_silo))(keys, silo_data)
+        silo_keys = case.silo_keys
+        round_py = partial(simulate_round, algorithm)
+    else:
+        silo_data = stack_groups(per_silo, case.groups)
+        init = jax.jit(algorithm.init_silo)
+        states = [init(k, d) for k, d in zip(keys, per_silo, strict=True)]
+        silos = stack_groups(states, case.groups)
+        silo_keys = stack_groups(list(case.silo_keys), case.groups)
+        round_py = partial(group_round, algorithm, case.groups)
+    args = (server, silos, silo_data, case.server_key, silo_keys)
+    round_fn = jax.jit(round_py)
+    return Prepared(case, args, round_py, round_fn, round_fn(*args))
 
 
 def test_jit_equals_eager(prepared):
     with jax.disable_jit():
-        eager = simulate_round(prepared.case.algorithm, *prepared.args)
+        eager = prepared.round_py(*prepared.args)
     m.tree_allclose(prepared.result[:2], eager[:2], rtol=1e-9, atol=1e-12)
 
 
 def test_vmap_equals_loop(prepared):
+    _not_for_grouped(
+        prepared,
+        "no vmap over parties of different structure; group_round with one group "
+        "per party is the loop",
+    )
     looped = sequential_round(jit_algorithm(prepared.case.algorithm), *prepared.args)
     m.tree_allclose(prepared.result, looped, rtol=1e-10, atol=1e-12)
 
 
 def test_second_round_compiles_nothing(prepared):
+    """The second round (for vertical SFVI: its next phase) reuses the first's
+    compiled program."""
     server, silos, _ = prepared.result
     size = prepared.round_fn._cache_size()
     prepared.round_fn(server, silos, *prepared.args[2:])
@@ -211,6 +339,11 @@ def test_float64_survives(prepared):
 
 def test_no_message_leaf_has_a_unit_axis(prepared):
     """Shapes only (nothing runs): neither direction carries a silo's unit axis."""
+    _not_for_grouped(
+        prepared,
+        "vertical FL's messages are per row by design (z_j and dL_0/dz_j, "
+        "docs/vertical-fl.md)",
+    )
     case = prepared.case
     server, silos, silo_data, server_key, silo_keys = prepared.args
     algorithm = case.algorithm
@@ -234,6 +367,9 @@ def test_no_message_leaf_has_a_unit_axis(prepared):
 def test_audit_flags_no_leaf(prepared):
     """``nf.audit`` on every algorithm: each direction carries something, no leaf
     grows with a silo's units, and its bytes are the accounting's."""
+    _not_for_grouped(
+        prepared, "nf.audit reads FederatedData, and vertical messages are per row"
+    )
     case = prepared.case
     report = nf.audit(
         case.algorithm,
@@ -254,7 +390,8 @@ def test_non_finite_reply_is_rejected_and_the_run_goes_on(prepared):
     its reply is rejected and counted, the server state and the other silos stay
     finite."""
     server, silos, silo_data, server_key, silo_keys = prepared.args
-    algorithm, num_silos = prepared.case.algorithm, prepared.case.data.num_silos
+    algorithm = prepared.case.algorithm
+    num_silos = len(_silo_states(prepared, silos))
     contacted = np.asarray(algorithm.select(server, server_key, num_silos))
     bad_silo = 1 if contacted.all() else int(np.argmax(contacted))
     bad = prepared.case.poison(silo_data, bad_silo)
@@ -264,8 +401,9 @@ def test_non_finite_reply_is_rejected_and_the_run_goes_on(prepared):
     expected = np.arange(num_silos) == bad_silo
     assert np.asarray(info.rejected).tolist() == expected.tolist()
     assert bool(all_finite(new_server))
+    new_states = _silo_states(prepared, new_silos)
     for j in np.flatnonzero(~expected):
-        assert bool(all_finite(take(new_silos, j)))
+        assert bool(all_finite(new_states[j]))
 
 
 def test_rejected_reply_counts_as_a_silo_that_did_not_take_part(prepared):
@@ -273,7 +411,8 @@ def test_rejected_reply_counts_as_a_silo_that_did_not_take_part(prepared):
     rejected ends in the same states, bit for bit, as the round in which silo j was
     not contacted (its data poisoned or not)."""
     server, silos, silo_data, server_key, silo_keys = prepared.args
-    algorithm, num_silos = prepared.case.algorithm, prepared.case.data.num_silos
+    algorithm = prepared.case.algorithm
+    num_silos = len(_silo_states(prepared, silos))
     contacted = np.asarray(algorithm.select(server, server_key, num_silos))
     bad_silo = 1 if contacted.all() else int(np.argmax(contacted))
     bad = prepared.case.poison(silo_data, bad_silo)
@@ -284,6 +423,11 @@ def test_rejected_reply_counts_as_a_silo_that_did_not_take_part(prepared):
 
 
 def test_events_runtime_runs_it(prepared):
+    _not_for_grouped(
+        prepared,
+        "event_round keeps the silo states stacked along one axis; runtime/groups.py "
+        "and the remote runtime (tests/runtime/test_flower.py) carry these",
+    )
     case = prepared.case
     server, silos, silo_data, _, silo_keys = prepared.args
     schedule = event_schedule(jax.random.key(5), case.data.num_silos, max_staleness=1)
@@ -294,3 +438,22 @@ def test_events_runtime_runs_it(prepared):
     )(server, silos, silo_data, schedule, silo_keys)
     assert np.shape(infos.loss) == (case.data.num_silos,)
     assert bool(all_finite((server, silos)))
+
+
+def test_summed_replies_equal_the_per_silo_path(prepared):
+    """An algorithm that offers ``reduce_silos`` (SFVI) gives the same round, to
+    rounding, as its replies stepped one per silo and summed by the server: with
+    every silo, with some, and with one silo's data non-finite (the sum is then
+    recomputed per silo, so only that silo is left out)."""
+    algorithm = prepared.case.algorithm
+    if algorithm.reduce_silos is None:
+        pytest.skip("the algorithm's server does not read a sum of the replies")
+    server, silos, silo_data, server_key, silo_keys = prepared.args
+    per_silo = jax.jit(partial(simulate_round, algorithm, reduce=False))
+    some = jnp.arange(prepared.case.data.num_silos) != 0
+    bad = prepared.case.poison(silo_data, 1)
+    for data, participating in ((silo_data, None), (silo_data, some), (bad, None)):
+        args = (server, silos, data, server_key, silo_keys, participating)
+        summed = prepared.round_fn(*args)
+        m.tree_allclose(summed, per_silo(*args), rtol=1e-12, atol=1e-14)
+    assert np.asarray(summed[2].rejected).tolist() == [False, True, False]

@@ -28,7 +28,7 @@ from numpyro_fed.protocol import (
 )
 from numpyro_fed.runtime import sharded_round, silo_mesh, simulate_round
 from tests import _models as m
-from tests.algorithms.test_contract import CASES
+from tests.algorithms.test_contract import CASES, GROUPED
 
 TOLERANCE = {"rtol": 1e-10, "atol": 1e-12}
 #: Silo 1 is out: the runtime's participation, on top of the algorithm's select.
@@ -170,7 +170,8 @@ def main(everything: bool) -> None:
     assert mesh.shape == {"silos": 4}, mesh
     check_second_round_compiles_nothing(mesh)
     if everything:
-        check_cases(mesh, ["toy"] + sorted(CASES))
+        # silos of different structure cannot be sharded along one silo axis
+        check_cases(mesh, ["toy"] + sorted(set(CASES) - GROUPED))
         check_driver(["SFVI", "PVI"])
     else:
         check_cases(mesh, ["toy"])

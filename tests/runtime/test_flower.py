@@ -1,8 +1,9 @@
 # Copyright Contributors to the numpyro-fed project.
 # SPDX-License-Identifier: Apache-2.0
 """Every algorithm through Flower's simulation engine gives the server state that
-runtime/simulate.py gives with the same keys (float tolerance), with the silo states
-kept on the nodes."""
+runtime/simulate.py gives with the same keys (float tolerance; runtime/groups.py for
+vertical SFVI, whose parties are silos of different structure; runtime/events.py for
+PVI's asynchronous schedule), with the silo states kept on the nodes."""
 
 import os
 import zlib
@@ -20,17 +21,36 @@ from numpyro_fed.protocol import silo_data_of  # noqa: E402
 from numpyro_fed.runtime import flower  # noqa: E402
 from numpyro_fed.util import take  # noqa: E402
 from tests import _models as m  # noqa: E402
-from tests.algorithms.test_contract import CASES  # noqa: E402
-from tests.runtime.test_remote import federation_of, simulated  # noqa: E402
+from tests.algorithms.test_contract import CASES, silo_list  # noqa: E402
+from tests.runtime.test_remote import (  # noqa: E402
+    federation_of,
+    pvi_asynchronous,
+    simulated,
+)
 
 NUM_ROUNDS = 3
 ROOT_SEED = 11
+#: Beside the contract's cases: PVI's asynchronous schedule (passes of events).
+EVENTS = "pvi_asynchronous"
+NAMES = sorted(CASES) + [EVENTS]
+
+
+def _fit(name):
+    """``(federation, each silo's data, reference data, groups)`` of a fit."""
+    if name == EVENTS:
+        fed, data = pvi_asynchronous()
+        stacked = silo_data_of(data)
+        return fed, [take(stacked, j) for j in range(3)], stacked, None
+    case = CASES[name]()
+    per_silo = silo_list(case)
+    reference = per_silo if case.groups else silo_data_of(case.data)
+    return federation_of(case), per_silo, reference, case.groups
 
 
 def _federation(name):
     def make(context):
         jax.config.update("jax_enable_x64", True)  # the actors are fresh processes
-        return federation_of(CASES[name]())
+        return _fit(name)[0]
 
     return make
 
@@ -38,7 +58,7 @@ def _federation(name):
 def _load_silo(name):
     def load(context):
         j = int(context.node_config["partition-id"])
-        return j, take(silo_data_of(CASES[name]().data), j)
+        return j, _fit(name)[1][j]
 
     return load
 
@@ -67,13 +87,14 @@ def flower_runs():
 
     @server.main()
     def main(grid, context):
-        for name in sorted(CASES):
+        for name in NAMES:
             fed = _federation(name)(context)
+            rounds = NUM_ROUNDS * fed.exchanges
             runs[name] = flower.serve(
-                grid, fed, NUM_ROUNDS, name=name, rng_key=jax.random.key(5)
+                grid, fed, rounds, name=name, rng_key=jax.random.key(5)
             )
 
-    fits = {name: (_federation(name), _load_silo(name)) for name in CASES}
+    fits = {name: (_federation(name), _load_silo(name)) for name in NAMES}
     client = flower.client_app(fits=fits, root_key=node_root)
     run_simulation(
         server,
@@ -81,22 +102,22 @@ def flower_runs():
         num_supernodes=3,
         backend_config={"client_resources": {"num_cpus": 2, "num_gpus": 0}},
     )
-    assert sorted(runs) == sorted(CASES), "the server app did not finish"
+    assert sorted(runs) == sorted(NAMES), "the server app did not finish"
     return runs
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", NAMES)
 def test_flower_simulation_equals_simulate(flower_runs, name):
     run = flower_runs[name]
-    case = CASES[name]()
-    fed = federation_of(case)
+    fed, _, reference, groups = _fit(name)
     sim, infos = simulated(
         fed,
-        silo_data_of(case.data),
+        reference,
         silo_roots(name),
         jax.random.key(5),
-        NUM_ROUNDS,
+        NUM_ROUNDS * fed.exchanges,
         lambda t: np.ones(fed.num_silos, bool),
+        groups,
     )
     assert sorted(run.nodes) == [0, 1, 2]
     m.tree_allclose(run.state, sim, rtol=1e-6, atol=1e-8)

@@ -176,11 +176,14 @@ def test_a_node_that_fails_is_left_out_and_rejoins(runs):
     sim, infos = _expected("crash", {1: 1, 2: 1})
     m.tree_allclose(runs["crash"].state, sim, rtol=1e-6, atol=1e-8)
     assert sorted(runs["crash"].nodes) == [0, 1, 2]  # back for round 3
+    node = runs["crash"].nodes[1]  # named as missing in the rounds it failed
+    assert runs["crash"].missing == [{}, {1: node}, {1: node}, {}]
 
 
 def test_a_straggler_past_the_timeout_is_dropped(runs):
     sim, _ = _expected("straggler", {1: 2})
     m.tree_allclose(runs["straggler"].state, sim, rtol=1e-6, atol=1e-8)
+    assert runs["straggler"].missing == [{}, {2: runs["straggler"].nodes[2]}]
 
 
 def test_non_finite_replies_are_rejected_named_and_do_not_touch_the_state(runs):
