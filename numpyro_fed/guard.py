@@ -42,12 +42,16 @@ from numpyro_fed.protocol import (
     Message,
     SiloData,
     SummedReplies,
-    reply_sum,
-    vmap_silos,
 )
 from numpyro_fed.util import all_finite, rows_where, tree_where
 
-__all__ = ["SiloFailure", "check_rejections", "guard_nonfinite", "rejection_counts"]
+__all__ = [
+    "SiloFailure",
+    "check_rejections",
+    "finite_rows",
+    "guard_nonfinite",
+    "rejection_counts",
+]
 
 
 def guard_nonfinite(
@@ -92,26 +96,11 @@ def guard_nonfinite(
     """
     inner_silo_step = algorithm.silo_step
     inner_server_step = algorithm.server_step
-    inner_reduce = algorithm.reduce_silos
 
     def silo_step(message: Message, state: Any, data: SiloData, key: jax.Array):
         reply, new_state = inner_silo_step(message, state, data, key)
         ok = all_finite((reply, new_state))
         return tree_where(ok, reply, _nan_like(reply)), tree_where(ok, new_state, state)
-
-    def reduce_silos(message, states, data, keys, contacted):
-        summed, new_states = inner_reduce(message, states, data, keys, contacted)
-        kept = rows_where(contacted, new_states, states)
-        ok = all_finite((summed.total, kept))
-
-        def one_by_one():
-            # A non-finite sum cannot say whose term it was: step the silos again,
-            # one reply each, so that only the bad ones are left out.
-            replies, stepped = vmap_silos(silo_step, message, states, data, keys)
-            used = contacted & jax.vmap(all_finite)(replies)
-            return SummedReplies(reply_sum(replies, used), used), stepped
-
-        return jax.lax.cond(ok, lambda: (summed, new_states), one_by_one)
 
     def server_step(state: Any, replies: Any, key: jax.Array, participating: Any):
         if isinstance(replies, SummedReplies):
@@ -130,11 +119,27 @@ def guard_nonfinite(
         new_state = tree_where(keep, state, new_state)
         return new_state, info._replace(rejected=info.rejected | rejected)
 
-    return algorithm._replace(
-        silo_step=silo_step,
-        server_step=server_step,
-        reduce_silos=None if inner_reduce is None else reduce_silos,
-    )
+    # reduce_silos keeps the silo rule itself (finite_rows): a sum cannot be taken
+    # apart afterwards.
+    return algorithm._replace(silo_step=silo_step, server_step=server_step)
+
+
+def finite_rows(
+    contacted: jax.Array, replies: Any, new_states: Any, states: Any
+) -> tuple[jax.Array, Any]:
+    """The guard's silo rule inside a ``reduce_silos``: ``(used, states)``, the
+    contacted silos whose replies (any per-silo pytree the sum is taken from) and
+    new states are finite, and the states with only those silos stepped (the others
+    keep theirs). ``used`` goes into :class:`~numpyro_fed.protocol.SummedReplies`.
+
+    :param jax.Array contacted: ``(J,)`` booleans.
+    :param replies: the per-silo quantities summed into the reply (leading silo axis).
+    :param new_states: the silos' stepped states (leading silo axis).
+    :param states: their states before the step.
+    """
+    finite = jax.vmap(all_finite)((replies, new_states))
+    used = contacted & finite
+    return used, rows_where(used, new_states, states)
 
 
 def _nan_like(tree: Any) -> Any:

@@ -187,8 +187,11 @@ class ReduceSilosFn(Protocol):
         :param data: the silos' data, stacked.
         :param keys: one key per silo.
         :param contacted: ``(J,)`` booleans.
-        :return: ``(SummedReplies(total, contacted), states)``: the same sum and
-            states as :func:`jax.vmap` of ``silo_step`` would give (to rounding).
+        :return: ``(SummedReplies(total, used), states)``: the same sum and states
+            as :func:`jax.vmap` of ``silo_step`` would give (to rounding), with the
+            non-finite guard's silo rule applied inside
+            (:func:`~numpyro_fed.guard.finite_rows`): a silo whose reply or new
+            state is not finite is left out of ``used`` and keeps its state.
         """
 
 

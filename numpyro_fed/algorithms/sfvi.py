@@ -25,7 +25,7 @@ from numpyro_fed.elbo import (
     server_terms,
     silo_terms,
 )
-from numpyro_fed.guard import guard_nonfinite
+from numpyro_fed.guard import finite_rows, guard_nonfinite
 from numpyro_fed.protocol import (
     FederatedAlgorithm,
     Message,
@@ -153,31 +153,41 @@ def sfvi(
     def global_noise(message: SFVIServerMessage) -> jax.Array:
         return jax.vmap(guide.global_noise)(message.global_keys)
 
-    def silo_term(theta_u, eta_g_u, eta_l_u, eps_g, key, data: SiloData):
+    def shared_values(theta_u, eta_g_u, eps):
+        """What every silo's term reads of the server's quantities: constrained
+        theta and eta_G, and each particle's global draw."""
         eta_g = constrain(global_constraints, eta_g_u)
-        terms = silo_terms(
-            model,
-            guide,
-            draw_global(guide, eta_g, eps_g),
-            constrain(theta_constraints, theta_u),
-            eta_g,
-            constrain(local_constraints, eta_l_u),
-            key,
-            data,
-            stop=stop,
-            padded=padded,
+        draws = jax.vmap(lambda e: draw_global(guide, eta_g, e))(eps)
+        return constrain(theta_constraints, theta_u), eta_g, draws
+
+    def silo_value(shared, eta_l_u, keys, data: SiloData):
+        """The silo's ELBO term, averaged over the particles."""
+        theta, eta_g, draws = shared
+        eta_l = constrain(local_constraints, eta_l_u)
+
+        def particle(draw, key):
+            terms = silo_terms(
+                model, guide, draw, theta, eta_g, eta_l, key, data,
+                stop=stop, padded=padded,
+            )  # fmt: skip
+            return terms.log_p - terms.log_q
+
+        return jnp.mean(jax.vmap(particle)(draws, keys))
+
+    def silo_objective(theta_u, eta_g_u, eta_l_u, eps, keys, data):
+        return silo_value(shared_values(theta_u, eta_g_u, eps), eta_l_u, keys, data)
+
+    silo_grad = jax.value_and_grad(silo_objective, argnums=(0, 1, 2))
+
+    def local_ascent(g_eta_l, state: SFVISiloState) -> SFVISiloState:
+        return SFVISiloState(
+            *ascent(optimizer, g_eta_l, state.optim_state, state.eta_local)
         )
-        return terms.log_p - terms.log_q
 
-    def mean_over_particles(term):
-        def objective(*params_and_rest):
-            *params, eps, keys, data = params_and_rest
-            per_particle = jax.vmap(lambda e, k: term(*params, e, k, data))(eps, keys)
-            return jnp.mean(per_particle)
-
-        return objective
-
-    silo_grad = jax.value_and_grad(mean_over_particles(silo_term), argnums=(0, 1, 2))
+    def reply_of(g_theta, g_eta_g, elbo) -> SFVISiloMessage:
+        return SFVISiloMessage(
+            g_theta, g_eta_g, elbo if report_elbo else jnp.zeros_like(elbo)
+        )
 
     def silo_step(message: Message, state: SFVISiloState, data: SiloData, keys):
         message = message.broadcast
@@ -189,70 +199,51 @@ def sfvi(
             keys,
             data,
         )
-        eta_local, optim_state = ascent(
-            optimizer, g_eta_l, state.optim_state, state.eta_local
-        )
-        new_state = SFVISiloState(eta_local, optim_state)
-        reply = SFVISiloMessage(
-            g_theta, g_eta_g, elbo if report_elbo else jnp.zeros_like(elbo)
-        )
-        return reply, new_state
+        return reply_of(g_theta, g_eta_g, elbo), local_ascent(g_eta_l, state)
 
     def reduce_silos(message: Message, states: SFVISiloState, data, keys, contacted):
-        # The gradient of the contacted silos' summed terms: the pull-back through
-        # the global draw and its transforms runs once, not once per silo.
+        # Each silo's gradient stops at the shared values (a few numbers per
+        # silo); the pull-back through the global draw and its transforms to
+        # (theta, eta_G) then runs once, on the sum. A silo whose gradient or new
+        # state is not finite is left out of the sum before it is taken (no
+        # branch to recompute it: a branch costs a device sync on accelerators).
         message = message.broadcast
-        silo_objective = mean_over_particles(silo_term)
-        eps = global_noise(message)
-
-        def summed(theta_u, eta_g_u, eta_locals):
-            elbos = jax.vmap(
-                lambda eta_l, k, d: silo_objective(
-                    theta_u, eta_g_u, eta_l, eps, k, d
-                )
-            )(eta_locals, keys, data)
-            return jnp.sum(jnp.where(contacted, elbos, 0.0))
-
-        elbo, (g_theta, g_eta_g, g_eta_l) = jax.value_and_grad(
-            summed, argnums=(0, 1, 2)
-        )(message.theta, message.eta_global, states.eta_local)
-        # A silo's own parameters enter only its own term, so g_eta_l holds each
-        # contacted silo's local gradient (zero for the others, whose states the
-        # runtime does not keep).
-        new_states = jax.vmap(
-            lambda g, state: SFVISiloState(
-                *ascent(optimizer, g, state.optim_state, state.eta_local)
-            ),
-            axis_size=contacted.shape[0],  # a model without local latents has none
-        )(g_eta_l, states)
-        reply = SFVISiloMessage(
-            g_theta, g_eta_g, elbo if report_elbo else jnp.zeros_like(elbo)
+        shared, pull_back = jax.vjp(
+            lambda t, e: shared_values(t, e, global_noise(message)),
+            message.theta,
+            message.eta_global,
         )
-        return SummedReplies(reply, contacted), new_states
+        each = jax.vmap(
+            jax.value_and_grad(silo_value, argnums=(0, 1)), in_axes=(None, 0, 0, 0)
+        )
+        elbos, (g_shared, g_eta_l) = each(shared, states.eta_local, keys, data)
+        stepped = jax.vmap(local_ascent, axis_size=contacted.shape[0])(g_eta_l, states)
+        used, new_states = finite_rows(contacted, (elbos, g_shared), stepped, states)
+        g_theta, g_eta_g = pull_back(reply_sum(g_shared, used))
+        elbo = jnp.sum(jnp.where(used, elbos, 0.0))
+        return SummedReplies(reply_of(g_theta, g_eta_g, elbo), used), new_states
 
-    def server_term(theta_u, eta_g_u, eps_g, key, data):
-        del key, data
+    def server_value(theta_u, eta_g_u, eps):
+        """The server's term, averaged over the particles."""
         eta_g = constrain(global_constraints, eta_g_u)
-        log_p, log_q = server_terms(
-            model,
-            guide,
-            template,
-            draw_global(guide, eta_g, eps_g),
-            constrain(theta_constraints, theta_u),
-            eta_g,
-            stop=stop,
-        )
-        return log_p - log_q
+        theta = constrain(theta_constraints, theta_u)
 
-    server_grad = jax.value_and_grad(mean_over_particles(server_term), argnums=(0, 1))
+        def particle(e):
+            log_p, log_q = server_terms(
+                model, guide, template, draw_global(guide, eta_g, e), theta, eta_g,
+                stop=stop,
+            )  # fmt: skip
+            return log_p - log_q
+
+        return jnp.mean(jax.vmap(particle)(eps))
+
+    server_grad = jax.value_and_grad(server_value, argnums=(0, 1))
 
     def server_step(
         state: SFVIServerState, replies: SFVISiloMessage, keys, participating
     ):
         eps = jax.vmap(guide.global_noise)(keys)
-        elbo0, (g_theta, g_eta_g) = server_grad(
-            state.theta, state.eta_global, eps, keys, None
-        )
+        elbo0, (g_theta, g_eta_g) = server_grad(state.theta, state.eta_global, eps)
         used = participating
         # A uniformly random subset of k silos, scaled by J / k, sums to the full
         # gradient in expectation (exactly 1 when every silo is used).
