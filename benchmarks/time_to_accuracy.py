@@ -160,7 +160,13 @@ class Tracker:
         self.trace.append(
             {"seconds": seconds, "iterations": iterations, "distance": distance}
         )
+        self.mean = mean.tolist()
         return distance <= self.target or seconds >= self.budget
+
+    def thinned_trace(self):
+        """At most ~100 checks: every k-th, and the last."""
+        kept = self.trace[:: -(-len(self.trace) // 100)]
+        return kept if kept[-1] is self.trace[-1] else kept + self.trace[-1:]
 
     def result(self, name, unit):
         last = self.trace[-1]
@@ -173,8 +179,8 @@ class Tracker:
             "unit": unit,
             "distance": last["distance"],
             "best_distance": min(t["distance"] for t in self.trace),
-            # at most ~100 checks kept (every k-th, and the last)
-            "trace": self.trace[:: -(-len(self.trace) // 100)] + self.trace[-1:],
+            "mean": self.mean,  # at the last check
+            "trace": self.thinned_trace(),
         }
 
 
