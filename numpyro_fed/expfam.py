@@ -16,6 +16,7 @@ large precisions loses digits in float32.
 from typing import Any, Callable, NamedTuple
 
 import jax
+from jax import lax
 import jax.numpy as jnp
 import numpy as np
 from numpyro import handlers
@@ -24,11 +25,13 @@ from numpyro.distributions import biject_to, constraints
 
 __all__ = [
     "GaussianNat",
+    "apply_update",
     "expected_log_factor",
     "from_loc_scale",
     "from_moments",
     "gaussian_prior",
     "grad_log_density",
+    "guide_params",
     "is_full",
     "is_valid",
     "kl",
@@ -36,6 +39,7 @@ __all__ = [
     "log_normalizer",
     "prior_summary",
     "renyi",
+    "sigma_points",
     "to_loc_scale",
     "to_moments",
 ]
@@ -332,3 +336,46 @@ def prior_summary(
     q25, q75 = jnp.percentile(draws, jnp.array([25.0, 75.0]), axis=0)
     var = jnp.maximum((q75 - q25) / 1.349, 1e-3) ** 2
     return from_moments(center, jnp.diag(var) if full else var)
+
+
+def apply_update(q: GaussianNat, delta: GaussianNat, max_halvings: int = 30):
+    """:math:`\\eta_q + s\\,\\Delta\\eta` with the largest :math:`s \\in \\{1, \\frac12,
+    \\frac14, \\dots\\}` that keeps :math:`q` a valid Gaussian (the valid set is convex
+    and open and contains :math:`\\eta_q`, so halving terminates); :math:`s = 0` if
+    none of ``max_halvings`` halvings does.
+
+    :return: ``(new_q, s)``.
+    """
+
+    def invalid(s):
+        return ~is_valid(q.plus(delta.times(s)))
+
+    def cond(carry):
+        s, k = carry
+        return invalid(s) & (k < max_halvings)
+
+    s, _ = lax.while_loop(
+        cond, lambda c: (0.5 * c[0], c[1] + 1), (jnp.ones((), q.h.dtype), 0)
+    )
+    s = jnp.where(invalid(s), 0.0, s)
+    return q.plus(delta.times(s)), s
+
+
+def guide_params(q: GaussianNat, full: bool) -> dict:
+    """:math:`\\eta_q` as the guide's constrained global parameters (``loc``,
+    ``scale`` and, for a full-rank family, ``tril``)."""
+    loc, scale, tril = to_loc_scale(q)
+    params = {"loc": loc, "scale": scale}
+    if full:
+        params["tril"] = tril
+    return params
+
+
+def sigma_points(q: GaussianNat) -> jax.Array:
+    """The 2d symmetric sigma points of q: exact expectations of polynomials of degree
+    up to 3, so of the gradient and Hessian of a quadratic log-likelihood."""
+    mean, cov = to_moments(q)
+    d = mean.shape[0]
+    root = jnp.linalg.cholesky(cov) if cov.ndim == 2 else jnp.diag(jnp.sqrt(cov))
+    offsets = jnp.sqrt(d) * root.T
+    return jnp.concatenate([mean + offsets, mean - offsets])

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpyro.distributions as dist
 import optax
 
-from numpyro_fed.algorithms.pvi import Cavity, pvi
+from numpyro_fed.algorithms.pvi import pvi
+from numpyro_fed.algorithms.pvi_messages import Cavity
 from numpyro_fed.expfam import (
     GaussianNat,
     expected_log_factor,
@@ -211,7 +212,7 @@ def variational_cavity(
         exact Gaussian prior; ``None`` when the server refines a factor for a
         non-Gaussian prior (KL only: the cavity is then PVI's :math:`q / t_m`).
     :param int num_steps: Newton iterations of a non-KL :func:`gvi_posterior`.
-    :rtype: ~numpyro_fed.algorithms.pvi.Cavity
+    :rtype: ~numpyro_fed.algorithms.pvi_messages.Cavity
     """
     if prior_at is None:
         if divergence is not kl:

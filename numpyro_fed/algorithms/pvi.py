@@ -28,7 +28,7 @@ of the transform) as its "likelihood" (Bui et al., App. B.2); its fixed point is
 global VI in the same family.
 """
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
 from jax import lax
@@ -36,6 +36,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from numpyro_fed.algorithms.pvi_messages import (
+    Cavity,
+    PVIInfo,
+    PVIServerState,
+    PVISiloMessage,
+    PVISiloState,
+    kl_cavity,
+)
 from numpyro_fed.densities import server_log_density, silo_log_density
 from numpyro_fed.elbo import (
     GlobalDraw,
@@ -46,187 +54,23 @@ from numpyro_fed.elbo import (
 )
 from numpyro_fed.expfam import (
     GaussianNat,
+    apply_update,
     expected_log_factor,
     from_loc_scale,
+    guide_params,
     is_valid,
-    kl,
     log_density,
     prior_summary,
-    to_loc_scale,
+    sigma_points,
     to_moments,
 )
 from numpyro_fed.guard import guard_nonfinite
 from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
 from numpyro_fed.util import all_finite, ascent, constrain, tree_where, unconstrain
 
-__all__ = [
-    "Cavity",
-    "PVIInfo",
-    "PVIServerMessage",
-    "PVIServerState",
-    "PVISiloMessage",
-    "PVISiloState",
-    "apply_update",
-    "guide_params",
-    "kl_cavity",
-    "pvi",
-]
+__all__ = ["pvi"]
 
 _LOG_2PI_E = float(np.log(2 * np.pi) + 1.0)
-
-
-class PVISiloState(NamedTuple):
-    """Everything a silo keeps (none of it leaves the silo).
-
-    - **factor** - its approximate likelihood factor :math:`t_m` (natural parameters),
-      as committed.
-    - **pending** - the update :math:`\\Delta\\eta_m` it last sent, committed (times
-      the server's acknowledgement) at its next step; zero when there is none.
-    - **eta_local** - unconstrained parameters of its local guide (units first).
-    - **optim_state** - its optimizer's state over (global q, local guide).
-    - **rng_key** - its own key chain for Monte Carlo noise, across rounds.
-    """
-
-    factor: GaussianNat
-    pending: GaussianNat
-    eta_local: dict
-    optim_state: Any
-    rng_key: jax.Array
-
-
-class PVIServerState(NamedTuple):
-    """- **q** - the authoritative posterior :math:`\\eta_q` over the global vector.
-    - **prior** - :math:`\\eta_0`: the exact Gaussian prior, or the refined factor
-      :math:`t_0` standing for a non-Gaussian one.
-    - **theta** - unconstrained model parameters (``numpyro.param`` sites).
-    - **optim_state** - the server optimizer's state over ``theta``.
-    - **ack** - ``(J,)``: the fraction of each silo's last update that the server
-      applied (0 if it was dropped), sent back in the next routed message.
-    - **prior_optim**, **prior_key** - the :math:`t_0` refinement's optimizer state
-      and key chain (kept, unused, with an exact prior: the structure is fixed).
-    """
-
-    q: GaussianNat
-    prior: GaussianNat
-    theta: dict
-    optim_state: Any
-    ack: jax.Array
-    prior_optim: Any
-    prior_key: jax.Array
-
-
-class PVIServerMessage(NamedTuple):
-    """Server -> silos, the broadcast part (the routed part is each silo's ``ack``).
-
-    - **q** - :math:`\\eta_q`.
-    - **theta** - unconstrained model parameters.
-    """
-
-    q: GaussianNat
-    theta: dict
-
-
-class PVISiloMessage(NamedTuple):
-    """Silo -> server.
-
-    - **delta** - :math:`\\Delta\\eta_m`, the damped change of the silo's factor.
-    - **grad_theta** - gradient of the silo's expected log-likelihood w.r.t. the
-      unconstrained model parameters at the received :math:`q` (Bui et al., eq. 5).
-    - **elbo** - the silo's term :math:`E_q[\\log p(y_m, z_m \\mid u) - \\log q(z_m)]`
-      at the received :math:`q`, for the global free energy.
-    - **valid_cavity** - whether the silo's cavity was a valid Gaussian; if not, the
-      silo did not update and ``delta`` is zero.
-    """
-
-    delta: GaussianNat
-    grad_theta: dict
-    elbo: jax.Array
-    valid_cavity: jax.Array
-
-
-class PVIInfo(NamedTuple):
-    """- **loss** - minus the global free energy estimate: the contributing silos'
-      terms (each at the :math:`q` it received, scaled by :math:`J` over their count)
-      plus the server's :math:`-D(q \\| p)` at the step's start.
-    - **rejected** - ``(J,)``: replies that arrived and were dropped (not finite, or
-      from an invalid cavity).
-    - **scale** - the fraction of the summed update the server applied (< 1 when it
-      had to shrink the step to keep :math:`q` valid).
-    - **invalid_cavity** - index of a silo whose cavity was not a valid Gaussian, or -1.
-    """
-
-    loss: jax.Array
-    rejected: jax.Array
-    scale: jax.Array
-    invalid_cavity: jax.Array
-
-
-class Cavity(NamedTuple):
-    """What the server sends and how a silo divides it by its own factor.
-
-    - **message** - ``(q, prior, theta) -> broadcast``: the broadcast part of the
-      server's message when its authoritative natural parameters are ``q``; it has
-      at least the fields ``q`` (the silos' starting point) and ``theta``.
-    - **of** - ``(broadcast, factor) -> GaussianNat``: a silo's cavity.
-    - **divergence** - ``(q, prior) -> D(q || prior)``, the server's (exact prior) term.
-    """
-
-    message: Callable
-    of: Callable
-    divergence: Callable
-
-
-def kl_cavity() -> Cavity:
-    """PVI's cavity :math:`q / t_m`, with :math:`q` sent as it is and the KL
-    divergence to the prior."""
-    return Cavity(
-        message=lambda q, prior, theta: PVIServerMessage(q, theta),
-        of=lambda message, factor: message.q.minus(factor),
-        divergence=kl,
-    )
-
-
-def apply_update(q: GaussianNat, delta: GaussianNat, max_halvings: int = 30):
-    """:math:`\\eta_q + s\\,\\Delta\\eta` with the largest :math:`s \\in \\{1, \\frac12,
-    \\frac14, \\dots\\}` that keeps :math:`q` a valid Gaussian (the valid set is convex
-    and open and contains :math:`\\eta_q`, so halving terminates); :math:`s = 0` if
-    none of ``max_halvings`` halvings does.
-
-    :return: ``(new_q, s)``.
-    """
-
-    def invalid(s):
-        return ~is_valid(q.plus(delta.times(s)))
-
-    def cond(carry):
-        s, k = carry
-        return invalid(s) & (k < max_halvings)
-
-    s, _ = lax.while_loop(
-        cond, lambda c: (0.5 * c[0], c[1] + 1), (jnp.ones((), q.h.dtype), 0)
-    )
-    s = jnp.where(invalid(s), 0.0, s)
-    return q.plus(delta.times(s)), s
-
-
-def guide_params(q: GaussianNat, full: bool) -> dict:
-    """:math:`\\eta_q` as the guide's constrained global parameters (``loc``,
-    ``scale`` and, for a full-rank family, ``tril``)."""
-    loc, scale, tril = to_loc_scale(q)
-    params = {"loc": loc, "scale": scale}
-    if full:
-        params["tril"] = tril
-    return params
-
-
-def _sigma_points(q: GaussianNat) -> jax.Array:
-    """The 2d symmetric sigma points of q: exact expectations of polynomials of degree
-    up to 3, so of the gradient and Hessian of a quadratic log-likelihood."""
-    mean, cov = to_moments(q)
-    d = mean.shape[0]
-    root = jnp.linalg.cholesky(cov) if cov.ndim == 2 else jnp.diag(jnp.sqrt(cov))
-    offsets = jnp.sqrt(d) * root.T
-    return jnp.concatenate([mean + offsets, mean - offsets])
 
 
 def pvi(
@@ -335,7 +179,9 @@ def pvi(
         z_g = guide.sample_global(eta_g, guide.global_noise(key))
         return log_lik_at(True, z_g, theta_u, None), z_g
 
-    def log_lik_at(is_prior: bool, u, theta_u, data, eta_g=None, eta_l_u=None, keys=None):
+    def log_lik_at(
+        is_prior: bool, u, theta_u, data, eta_g=None, eta_l_u=None, keys=None
+    ):
         """The (prior or silo) log-likelihood at a fixed global point u. With local
         latents it is the silo's bound :math:`E_{q(z_m|u)}[\\log p(y_m, z_m \\mid u)
         - \\log q(z_m \\mid u)]`, averaged over the draws of ``keys``."""
@@ -352,8 +198,17 @@ def pvi(
 
         def one(key):
             terms = silo_terms(
-                model, guide, draw, theta, eta_g, eta_l, key, data,
-                stop=stop, padded=padded, observed_fn=observed_fn,
+                model,
+                guide,
+                draw,
+                theta,
+                eta_g,
+                eta_l,
+                key,
+                data,
+                stop=stop,
+                padded=padded,
+                observed_fn=observed_fn,
             )
             return terms.log_p - terms.log_q
 
@@ -418,8 +273,8 @@ def pvi(
             )
 
         local_grad = jax.grad(
-            lambda eta_l_u, glob_u, theta_u, keys, data: -data_value(
-                glob_u, eta_l_u, theta_u, keys, data
+            lambda eta_l_u, glob_u, theta_u, keys, data: (
+                -data_value(glob_u, eta_l_u, theta_u, keys, data)
             )
         )
 
@@ -437,7 +292,7 @@ def pvi(
                         is_prior, u, message.theta, data, eta_g, eta_l_u, keys
                     )
 
-                points = _sigma_points(q)
+                points = sigma_points(q)
                 grad = jnp.mean(jax.vmap(jax.grad(loglik))(points), 0)
                 hess = jnp.mean(jax.vmap(jax.hessian(loglik))(points), 0)
                 mean = to_moments(q)[0]
@@ -477,7 +332,7 @@ def pvi(
         fit = natural_fit if local_solver == "natural" else adam_fit
 
         def data_grad_at_points(q, theta_u, eta_l_u, keys, data):
-            points = _sigma_points(q)
+            points = sigma_points(q)
             eta_g = to_guide(q)
 
             def value(theta_u):

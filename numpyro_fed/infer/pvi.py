@@ -19,10 +19,16 @@ from numpyro_fed.algorithms.fedgvi import (
     gce_loss,
     renyi_divergence,
 )
-from numpyro_fed.algorithms.pvi import guide_params, pvi
+from numpyro_fed.algorithms.pvi import pvi
 from numpyro_fed.checks import check_count, check_optimizer
 from numpyro_fed.densities import data_template
-from numpyro_fed.expfam import GaussianNat, from_loc_scale, gaussian_prior, kl
+from numpyro_fed.expfam import (
+    GaussianNat,
+    from_loc_scale,
+    gaussian_prior,
+    guide_params,
+    kl,
+)
 from numpyro_fed.families.structured import AutoMeanField, AutoStructured
 from numpyro_fed.infer.driver import Driver, FederatedState, RunResult
 from numpyro_fed.infer.posterior import sample_structured
@@ -41,10 +47,10 @@ _SCHEDULES = {
 }
 
 
-
 # Sequential PVI with Adam's fixed-size local steps: 200 one-group silos already end
 # 7 % too narrow after 150 passes, 2,000 collapse.
 _ADAM_SILOS = 100
+
 
 class InvalidCavity(ValueError):
     """A silo's cavity :math:`q / t_m` is not a normalizable Gaussian, so its local
@@ -156,7 +162,7 @@ class PVI(Driver):
 
     ``run`` returns a :class:`~numpyro_fed.RunResult` whose ``history`` holds ``q``
     (stacked :class:`~numpyro_fed.expfam.GaussianNat` at the end of each round) and
-    the :class:`~numpyro_fed.algorithms.pvi.PVIInfo` fields (with a leading event axis
+    the :class:`~numpyro_fed.algorithms.pvi_messages.PVIInfo` fields (with a leading event axis
     per round for the sequential and asynchronous schedules).
 
     **References:**
@@ -273,9 +279,7 @@ class PVI(Driver):
             )
         if self.local_solver is None:
             self.solver = (
-                "adam"
-                if self.explicit_optim and not roles.local_sites
-                else "natural"
+                "adam" if self.explicit_optim and not roles.local_sites else "natural"
             )
         if (
             self.solver == "adam"

@@ -12,9 +12,15 @@ import optax
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed.algorithms.pvi import apply_update, pvi
+from numpyro_fed.algorithms.pvi import pvi
 from numpyro_fed.densities import data_template
-from numpyro_fed.expfam import GaussianNat, from_moments, is_valid, to_moments
+from numpyro_fed.expfam import (
+    GaussianNat,
+    apply_update,
+    from_moments,
+    is_valid,
+    to_moments,
+)
 from numpyro_fed.protocol import jit_algorithm, silo_data_of
 from numpyro_fed.runtime import (
     event_round,

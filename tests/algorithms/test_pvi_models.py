@@ -249,7 +249,9 @@ def test_non_finite_update_is_rejected_and_the_run_continues():
     fed = nf.federate(model, silos="data")
     data = nf.FederatedData.from_groups(np.repeat([0, 1], [10, 5]), x=x, y=y)
     pvi = nf.PVI(fed, local_steps=5, schedule="synchronous", max_rejected=None)
-    with pytest.warns(UserWarning, match="rejected 3 silo replies that were not finite"):
+    with pytest.warns(
+        UserWarning, match="rejected 3 silo replies that were not finite"
+    ):
         result = pvi.run(jax.random.key(0), 3, data, progress_bar=False)
     assert np.all(np.asarray(result.history["rejected"]).sum(-1) == 1)
     assert np.all(np.asarray(pvi.factors(result.state).prec[1]) == 0)
