@@ -2,10 +2,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """Timing shared by the round benchmarks."""
 
+import os
+import platform
 import time
 
 import jax
 import numpy as np
+import numpyro
 
 
 def interleaved_times(steps, states, repeats, statistic=np.median):
@@ -24,3 +27,14 @@ def interleaved_times(steps, states, repeats, statistic=np.median):
             jax.block_until_ready((states[i], out))
             times[i].append(time.perf_counter() - start)
     return [float(statistic(t)) for t in times]
+
+
+def machine_meta() -> dict:
+    """What a benchmark's JSON records of the machine and the library versions."""
+    return {
+        "jax": jax.__version__,
+        "numpyro": numpyro.__version__,
+        "machine": platform.machine(),
+        "jax_devices": jax.device_count(),
+        "cpu_count": os.cpu_count(),
+    }

@@ -24,17 +24,15 @@ Run: ``python benchmarks/million_silos.py`` (writes
 
 import argparse
 import json
-import os
 from pathlib import Path
-import platform
 import resource
 import subprocess
 import sys
 import time
 
+from _timing import machine_meta  # benchmarks/ is on sys.path
 import jax
 import numpy as np
-import numpyro
 import optax
 
 import numpyro_fed as nf
@@ -103,11 +101,7 @@ def main(args):
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
-        "jax": jax.__version__,
-        "numpyro": numpyro.__version__,
-        "machine": platform.machine(),
-        "jax_devices": jax.device_count(),
-        "cpu_count": os.cpu_count(),
+        **machine_meta(),
         "note": args.note,
     }
     out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))

@@ -20,11 +20,9 @@ Run: ``python benchmarks/pvi_round.py`` (writes ``benchmarks/results/pvi_round.j
 
 import argparse
 import json
-import os
 from pathlib import Path
-import platform
 
-from _timing import interleaved_times  # benchmarks/ is on sys.path
+from _timing import interleaved_times, machine_meta  # benchmarks/ is on sys.path
 import jax
 import numpy as np
 import numpyro
@@ -110,11 +108,7 @@ def main(args):
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
-        "jax": jax.__version__,
-        "numpyro": numpyro.__version__,
-        "machine": platform.machine(),
-        "jax_devices": jax.device_count(),
-        "cpu_count": os.cpu_count(),
+        **machine_meta(),
         "x64": args.x64,
         "repeats": args.repeats,
         "units_per_silo": args.units_per_silo,

@@ -18,11 +18,9 @@ Run: ``python benchmarks/sfvi_round.py`` (writes ``benchmarks/results/sfvi_round
 
 import argparse
 import json
-import os
 from pathlib import Path
-import platform
 
-from _timing import interleaved_times  # benchmarks/ is on sys.path
+from _timing import interleaved_times, machine_meta  # benchmarks/ is on sys.path
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -132,11 +130,7 @@ def main(args):
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
-        "jax": jax.__version__,
-        "numpyro": numpyro.__version__,
-        "machine": platform.machine(),
-        "jax_devices": jax.device_count(),
-        "cpu_count": os.cpu_count(),
+        **machine_meta(),
     }
     out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2))
     print(f"saved {out}")

@@ -69,11 +69,10 @@ Run: ``python benchmarks/time_to_accuracy.py --rows 100000`` (writes
 
 import argparse
 import json
-import os
 from pathlib import Path
-import platform
 import time
 
+from _timing import machine_meta  # benchmarks/ is on sys.path
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -391,11 +390,7 @@ def main(args):
             )
         )
     meta = {
-        "jax": jax.__version__,
-        "numpyro": numpyro.__version__,
-        "machine": platform.machine(),
-        "jax_devices": jax.device_count(),
-        "cpu_count": os.cpu_count(),
+        **machine_meta(),
         "load": args.load_note,
         "args": {k: v for k, v in vars(args).items() if k != "out"},
     }
