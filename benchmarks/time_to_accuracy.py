@@ -80,6 +80,7 @@ import numpyro
 import numpyro.distributions as dist
 from numpyro.infer import MCMC, NUTS
 import optax
+from sfvi_round import model as glmm  # the six-cities GLMM with vague priors
 
 import numpyro_fed as nf
 from numpyro_fed.datasets import six_cities
@@ -89,15 +90,6 @@ def logistic(X, y):
     beta = numpyro.sample("beta", dist.Normal(0, 2).expand([X.shape[-1]]).to_event(1))
     with numpyro.plate("data", X.shape[0]):
         numpyro.sample("y", dist.Bernoulli(logits=X @ beta), obs=y)
-
-
-def glmm(X, y=None):
-    beta = numpyro.sample("beta", dist.Normal(0, 10).expand([X.shape[-1]]).to_event(1))
-    omega = numpyro.sample("omega", dist.Normal(0, 10))
-    with numpyro.plate("child", X.shape[0], dim=-2):
-        b = numpyro.sample("b", dist.Normal(0, jnp.exp(-omega)))
-        with numpyro.plate("visit", X.shape[1], dim=-1):
-            numpyro.sample("y", dist.Bernoulli(logits=X @ beta + b), obs=y)
 
 
 def logistic_problem(num_rows, num_silos, seed):

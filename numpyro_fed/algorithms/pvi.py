@@ -272,11 +272,7 @@ def pvi(
                 eta_local=eta_local, optim_state=optim_state, rng_key=key
             )
 
-        local_grad = jax.grad(
-            lambda eta_l_u, glob_u, theta_u, keys, data: (
-                -data_value(glob_u, eta_l_u, theta_u, keys, data)
-            )
-        )
+        local_grad = jax.grad(data_value, argnums=1)  # d/d eta_local
 
         def natural_fit(message, state, data, cav):
             # Each iteration moves the local guide (if any) one optimizer step on the
@@ -308,9 +304,10 @@ def pvi(
                 keys = noise_keys(step_key, num_particles)
                 if eta_l_u:
                     glob_u = unconstrain(glob_c, to_guide(cav.plus(factor)))
-                    grads = local_grad(eta_l_u, glob_u, message.theta, keys, data)
-                    updates, new_optim = local_optim.update(grads, optim_state, eta_l_u)
-                    new_eta = optax.apply_updates(eta_l_u, updates)
+                    grads = local_grad(glob_u, eta_l_u, message.theta, keys, data)
+                    new_eta, new_optim = ascent(
+                        local_optim, grads, optim_state, eta_l_u
+                    )
                     ok = all_finite((grads, new_eta))
                     eta_l_u, optim_state = tree_where(
                         ok, (new_eta, new_optim), (eta_l_u, optim_state)
