@@ -9,7 +9,7 @@ covariates) with one child per silo, so ``J`` silos hold ``J`` units. For each `
 it measures, in a fresh process (so that peak memory is that run's own):
 
 - **data**: ``FederatedData.from_groups`` on shuffled silo labels;
-- **init**: ``SFVI.init`` with the default ``AutoStructured`` guide (model analysis,
+- **init**: ``SFVI.init`` with the default ``AutoGlobalLocalNormal`` guide (model analysis,
   guide set-up and the compiled initial states);
 - **first round**: the first ``update`` (compiles the round);
 - **round**: the median of the next ``--rounds`` calls of ``update``;
@@ -50,7 +50,7 @@ def one(num_silos: int, rounds: int) -> dict:
     t_data = time.perf_counter() - start
 
     fed = nf.federate(model, silos="child")
-    svi = nf.SFVI(fed, nf.AutoStructured(fed), optax.adam(1e-2))
+    svi = nf.SFVI(fed, nf.AutoGlobalLocalNormal(fed), optax.adam(1e-2))
     start = time.perf_counter()
     state = jax.block_until_ready(svi.init(jax.random.key(0), data))
     t_init = time.perf_counter() - start

@@ -59,7 +59,9 @@ def main(args):
     groups = np.repeat(np.arange(args.num_silos), args.units_per_silo)
     data = nf.FederatedData.from_groups(groups, X=X, y=y)
     fed = nf.federate(model, silos="child")
-    judge = nf.SFVI(fed, nf.AutoStructured(fed), optax.adam(1e-2), num_particles=32)
+    judge = nf.SFVI(
+        fed, nf.AutoGlobalLocalNormal(fed), optax.adam(1e-2), num_particles=32
+    )
     judge_state = judge.init(jax.random.key(99), data)
 
     @jax.jit
@@ -70,10 +72,10 @@ def main(args):
 
     runs = {}
     optim = optax.adam(args.lr)
-    sfvi = nf.SFVI(fed, nf.AutoStructured(fed), optim)
+    sfvi = nf.SFVI(fed, nf.AutoGlobalLocalNormal(fed), optim)
     runs["SFVI"] = elbo_trace(sfvi, data, args.sfvi_rounds, evaluate, jax.random.key(0))
     for m in args.local_steps:
-        avg = nf.SFVIAvg(fed, nf.AutoStructured(fed), optim, local_steps=m)
+        avg = nf.SFVIAvg(fed, nf.AutoGlobalLocalNormal(fed), optim, local_steps=m)
         rounds = max(args.sfvi_rounds // m, 10)
         runs[f"SFVI-Avg({m})"] = elbo_trace(
             avg, data, rounds, evaluate, jax.random.key(0)

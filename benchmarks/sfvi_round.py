@@ -69,7 +69,7 @@ def bench(num_silos, units_per_silo, repeats, scan_length):
     data = nf.FederatedData.from_groups(groups, X=X, y=y)
     fed = nf.federate(model, silos="child")
 
-    sfvi = nf.SFVI(fed, nf.AutoStructured(fed), optax.adam(1e-2))
+    sfvi = nf.SFVI(fed, nf.AutoGlobalLocalNormal(fed), optax.adam(1e-2))
     state = sfvi.init(jax.random.key(0), data)
     # The round as the runtime runs it, once with the silos' replies summed in one
     # pull-back (the default) and once one reply per silo, with fixed keys.
@@ -89,7 +89,7 @@ def bench(num_silos, units_per_silo, repeats, scan_length):
         return step
 
     pooled = data.pooled()
-    svi = SVI(fed, nf.AutoStructured(fed), optax.adam(1e-2), Trace_ELBO())
+    svi = SVI(fed, nf.AutoGlobalLocalNormal(fed), optax.adam(1e-2), Trace_ELBO())
     svi_state = svi.init(jax.random.key(0), **pooled)
     svi_step = lambda s: svi.update(s, **pooled)  # noqa: E731
     steps = [round_of(summed), round_of(per_silo), svi_step]

@@ -31,7 +31,7 @@ The means compared: for the VI classes the ``loc`` of the global Gaussian (both
 problems' global sites are unconstrained, so ``loc`` is the mean); for FSGLD and
 DSGLD the running mean of every draw after a burn-in chunk.
 
-Settings. Library defaults wherever they exist (the guide ``AutoStructured`` for
+Settings. Library defaults wherever they exist (the guide ``AutoGlobalLocalNormal`` for
 SFVI and SFVI-Avg, one particle; PVI with its default guide, solver, damping and
 local steps). What the libraries leave to the user is set by one rule for both
 problems, never tuned per run:
@@ -253,7 +253,7 @@ def bench(problem, args):
     runs = {
         "SFVI": lambda t: run_vi(
             "SFVI",
-            nf.SFVI(fed, nf.AutoStructured(fed), adam()),
+            nf.SFVI(fed, nf.AutoGlobalLocalNormal(fed), adam()),
             data,
             names,
             t,
@@ -262,7 +262,7 @@ def bench(problem, args):
         ),
         "SFVIAvg": lambda t: run_vi(
             "SFVIAvg",
-            nf.SFVIAvg(fed, nf.AutoStructured(fed), adam(), local_steps=10),
+            nf.SFVIAvg(fed, nf.AutoGlobalLocalNormal(fed), adam(), local_steps=10),
             data,
             names,
             t,

@@ -51,7 +51,7 @@ def main(args):
     schedule = optax.exponential_decay(args.lr, args.num_steps // 3, 0.5)
     svi = nf.SFVI(
         fed,
-        nf.AutoStructured(fed),
+        nf.AutoGlobalLocalNormal(fed),
         optax.adam(schedule),
         num_particles=args.num_particles,
     )

@@ -39,7 +39,7 @@ def main(args):
         return optax.adam(optax.exponential_decay(0.02, steps // 3, 0.5))
 
     draws = {}
-    sfvi = nf.SFVI(fed, nf.AutoStructured(fed), optim(), num_particles=4)
+    sfvi = nf.SFVI(fed, nf.AutoGlobalLocalNormal(fed), optim(), num_particles=4)
     fit = sfvi.run(jax.random.key(args.seed), steps, data, progress_bar=False)
     draws["SFVI"] = sfvi.sample_posterior(
         jax.random.key(1), fit.params, data, num_samples=4000
@@ -49,7 +49,7 @@ def main(args):
     for scale_entropy in (True, False):  # False: the paper's literal scaling (§3.6)
         avg = nf.SFVIAvg(
             fed,
-            nf.AutoStructured(fed),
+            nf.AutoGlobalLocalNormal(fed),
             optim(),
             local_steps=args.local_steps,
             num_particles=4,
@@ -63,7 +63,7 @@ def main(args):
 
     independent = nf.baselines.fit_independent(
         fed,
-        nf.AutoStructured,
+        nf.AutoGlobalLocalNormal,
         optim(),
         data,
         jax.random.key(args.seed),

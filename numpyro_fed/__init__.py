@@ -27,7 +27,7 @@ from numpyro_fed.algorithms.vertical_sfvi import vertical_sfvi
 from numpyro_fed.audit import audit
 from numpyro_fed.data import FederatedData
 from numpyro_fed.diagnostics import compare, format_compare, to_arviz
-from numpyro_fed.families import AutoAmortized, AutoMeanField, AutoStructured
+from numpyro_fed.families import AutoAmortized, AutoGlobalLocalNormal, AutoMeanField
 from numpyro_fed.handlers import federate, silo_plate
 from numpyro_fed.infer.driver import FederatedState, RunResult
 from numpyro_fed.infer.mcmc import DSGLD, FSGLD
@@ -60,7 +60,7 @@ __all__ = [
     "FederatedData",
     "VerticalData",
     # variational families
-    "AutoStructured",
+    "AutoGlobalLocalNormal",
     "AutoMeanField",
     "AutoAmortized",
     "VerticalFamily",
@@ -93,3 +93,19 @@ __all__ = [
     "InvalidCavity",
     "VerticalModelError",
 ]
+
+
+def __getattr__(name: str):
+    # The guide was called AutoStructured until 0.1; Pyro's AutoStructured is a
+    # different family (user-chosen per-site dependencies), hence the new name.
+    if name == "AutoStructured":
+        import warnings
+
+        warnings.warn(
+            "nf.AutoStructured is now nf.AutoGlobalLocalNormal (Pyro's AutoStructured is "
+            "a different family); the old name will be removed.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return AutoGlobalLocalNormal
+    raise AttributeError(f"module 'numpyro_fed' has no attribute {name!r}")

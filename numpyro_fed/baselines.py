@@ -54,7 +54,7 @@ def fit_independent(
     is the one its data alone support.
 
     :param callable model: the federated model.
-    :param callable make_guide: ``model -> guide``, e.g. ``nf.AutoStructured``.
+    :param callable make_guide: ``model -> guide``, e.g. ``nf.AutoGlobalLocalNormal``.
     :param optim: optax transformation.
     :param FederatedData data: the silos' data.
     :param jax.random.key rng_key: random key (split per silo).
@@ -74,7 +74,7 @@ def fit_independent(
         ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
         >>> fed = nf.federate(model, silos="data")
         >>> data = nf.FederatedData.from_groups([0, 0, 1, 1], y=jnp.array([1.0, 1, 4, 4]))
-        >>> fits = nf.baselines.fit_independent(fed, nf.AutoStructured, optax.adam(0.05), data,
+        >>> fits = nf.baselines.fit_independent(fed, nf.AutoGlobalLocalNormal, optax.adam(0.05), data,
         ...                           jax.random.key(0), 1500)
         >>> [round(float(f.params.eta_global["loc"][0]), 1) for f in fits]
         [1.0, 4.0]

@@ -138,7 +138,7 @@ def to_moments(nat: GaussianNat) -> tuple[jax.Array, jax.Array]:
 
 
 def from_loc_scale(loc, scale, tril=None) -> GaussianNat:
-    """Natural parameters of the :class:`~numpyro_fed.AutoStructured` global factor
+    """Natural parameters of the :class:`~numpyro_fed.AutoGlobalLocalNormal` global factor
     :math:`N(\\mu, \\mathrm{diag}(\\sigma) L L^\\top \\mathrm{diag}(\\sigma))`, with
     :math:`L` unit lower-triangular (``tril=None``: diagonal)."""
     if tril is None:

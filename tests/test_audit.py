@@ -109,13 +109,13 @@ def test_a_user_class_is_audited_with_its_own_keys():
     arrays = m.hierarchical_data(num_groups=7, num_obs=4)
     data = nf.FederatedData.from_groups(m.split_groups(7, 3), **arrays)
     fed = nf.federate(m.hierarchical, silos="group")
-    fit = nf.SFVI(fed, nf.AutoStructured(fed), optax.adam(0.05), num_particles=2)
+    fit = nf.SFVI(fed, nf.AutoGlobalLocalNormal(fed), optax.adam(0.05), num_particles=2)
     coincidence = nf.audit(fit, data).flagged
     assert {leaf.path for leaf in coincidence} >= {".eta_global['loc']"}
     assert {leaf.direction for leaf in coincidence} == {"server -> silo"}
     data = nf.FederatedData.from_groups(m.split_groups(7, 3), pad_to=5, **arrays)
     fed = nf.federate(m.hierarchical, silos="group")
-    fit = nf.SFVI(fed, nf.AutoStructured(fed), optax.adam(0.05), num_particles=2)
+    fit = nf.SFVI(fed, nf.AutoGlobalLocalNormal(fed), optax.adam(0.05), num_particles=2)
     report = nf.audit(fit, data)
     assert report.flagged == ()
     keys = next(leaf for leaf in report.leaves if leaf.path == ".global_keys")
@@ -141,7 +141,7 @@ def test_a_one_unit_silo_gives_its_row_away_in_sfvi(enable_x64):
     whatever the silo's own noise."""
     y = np.array([0.3, 1.2, 2.5, -0.7, 0.8338])
     data = nf.FederatedData.from_groups([0, 0, 1, 1, 2], y=y)
-    guide = nf.AutoStructured(mean_model)
+    guide = nf.AutoGlobalLocalNormal(mean_model)
     guide.setup(data)
     algorithm = nf.sfvi(
         mean_model, guide, optax.adam(0.05), data_template(data.silo(0))

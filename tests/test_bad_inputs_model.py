@@ -54,7 +54,7 @@ def test_per_unit_latent_outside_silo_plate_is_named(groups):
     not global: its shape would follow each silo's size."""
     fed = nf.federate(per_unit_outside, silos="data")
     data = nf.FederatedData.from_groups(groups, y=Y)
-    svi = nf.SFVI(fed, nf.AutoStructured(fed), optax.adam(0.05))
+    svi = nf.SFVI(fed, nf.AutoGlobalLocalNormal(fed), optax.adam(0.05))
     with pytest.raises(ValueError, match=r"'w'.*outside the silo plate 'data'"):
         svi.init(jax.random.key(0), data)
 
@@ -63,7 +63,7 @@ def test_guide_built_for_another_model_is_named():
     data = nf.FederatedData.from_groups([0, 0, 1, 1, 2, 2, 2], y=Y)
     fed = nf.federate(normal_mean_and_scale, silos="data")
     other = nf.federate(normal_mean, silos="data")
-    svi = nf.SFVI(fed, nf.AutoStructured(other), optax.adam(0.05))
+    svi = nf.SFVI(fed, nf.AutoGlobalLocalNormal(other), optax.adam(0.05))
     with pytest.raises(ValueError, match=r"guide.*another model.*'s'"):
         svi.init(jax.random.key(0), data)
 
@@ -73,7 +73,7 @@ def test_guide_of_an_equivalent_model_is_accepted():
     data = nf.FederatedData.from_groups([0, 0, 1, 1, 2, 2, 2], y=Y)
     fed = nf.federate(normal_mean, silos="data")
     twin = nf.federate(normal_mean, silos="data")
-    svi = nf.SFVI(fed, nf.AutoStructured(twin), optax.adam(0.05))
+    svi = nf.SFVI(fed, nf.AutoGlobalLocalNormal(twin), optax.adam(0.05))
     result = svi.run(jax.random.key(0), 3, data, progress_bar=False)
     assert np.isfinite(np.asarray(result.losses)).all()
 
@@ -82,7 +82,9 @@ def test_guide_of_an_equivalent_model_is_accepted():
 def test_plain_numpyro_autoguide_is_refused(algorithm):
     fed = nf.federate(normal_mean, silos="data")
     kwargs = {"local_steps": 2} if algorithm == "SFVIAvg" else {}
-    with pytest.raises(TypeError, match=r"guide.*AutoNormal.*nf\.AutoStructured"):
+    with pytest.raises(
+        TypeError, match=r"guide.*AutoNormal.*nf\.AutoGlobalLocalNormal"
+    ):
         getattr(nf, algorithm)(fed, AutoNormal(fed), optax.adam(0.05), **kwargs)
 
 
@@ -90,7 +92,7 @@ def test_subsample_size_on_silo_plate_is_named():
     fed = nf.federate(subsampled, silos="data")
     data = nf.FederatedData.from_groups([0, 0, 1, 1, 2, 2, 2], y=Y)
     with pytest.raises(ValueError, match=r"silo plate 'data' has subsample_size=2"):
-        nf.SFVI(fed, nf.AutoStructured(fed), optax.adam(0.05)).init(
+        nf.SFVI(fed, nf.AutoGlobalLocalNormal(fed), optax.adam(0.05)).init(
             jax.random.key(0), data
         )
 
@@ -110,6 +112,6 @@ RAGGED = [{"y": np.ones((1, 3))}, {"y": np.ones((1, 5))}]
 def test_ragged_axis_that_is_not_a_nested_plate_is_named():
     fed = nf.federate(ragged_event, silos="county")
     data = nf.FederatedData.from_silos(RAGGED)
-    svi = nf.SFVI(fed, nf.AutoStructured(fed), optax.adam(0.05))
+    svi = nf.SFVI(fed, nf.AutoGlobalLocalNormal(fed), optax.adam(0.05))
     with pytest.raises(ValueError, match=r"Site 'y'.*silo 0.*not a\s+plate nested"):
         svi.init(jax.random.key(0), data)

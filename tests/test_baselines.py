@@ -40,7 +40,12 @@ def test_centralized_fit_uses_the_pooled_data():
     data = nf.FederatedData.from_groups(np.arange(40) % 3, **m.logistic_data())
     fed = nf.federate(m.logistic, silos="data")
     result = nf.baselines.fit_centralized(
-        fed, nf.AutoStructured(fed), optax.adam(0.05), data, jax.random.key(0), 300
+        fed,
+        nf.AutoGlobalLocalNormal(fed),
+        optax.adam(0.05),
+        data,
+        jax.random.key(0),
+        300,
     )
     assert result.params["_fed_global_loc"].shape == (3,)
     assert result.losses[-20:].mean() < result.losses[:20].mean()
@@ -50,7 +55,7 @@ def test_sfvi_warm_starts_from_sfvi_avg():
     """Figure S2's recipe: SFVI starts exactly where SFVI-Avg stopped."""
     data = nf.FederatedData.from_groups(np.arange(7) % 3, **m.hierarchical_data())
     fed = nf.federate(m.hierarchical, silos="group")
-    guide = nf.AutoStructured(fed)
+    guide = nf.AutoGlobalLocalNormal(fed)
     avg = nf.SFVIAvg(fed, guide, optax.adam(0.05), local_steps=5)
     warm = avg.run(jax.random.key(0), 3, data, progress_bar=False).params
     svi = nf.SFVI(fed, guide, optax.adam(0.05))

@@ -23,7 +23,7 @@ def _sgd_sfvi(num_silos=4):
     data = nf.FederatedData.from_groups(
         np.arange(7) % num_silos, **m.hierarchical_data()
     )
-    guide = nf.AutoStructured(fed)
+    guide = nf.AutoGlobalLocalNormal(fed)
     guide.setup(data)
     algorithm = nf.sfvi(fed, guide, optax.sgd(1.0), data_template(data.silo(0)))
     server = algorithm.init_server(jax.random.key(0))
@@ -89,7 +89,7 @@ def test_half_participation_converges_on_conjugate_model():
     data = nf.FederatedData.from_groups(np.arange(6) % 4, y=y)
     svi = nf.SFVI(
         fed,
-        nf.AutoStructured(fed),
+        nf.AutoGlobalLocalNormal(fed),
         optax.adam(optax.exponential_decay(0.05, 1000, 0.5)),
         num_particles=4,
         participation=0.5,

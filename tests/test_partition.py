@@ -115,7 +115,7 @@ def test_state_and_data_silo_counts_must_match():
     arrays = m.logistic_data()
     three = nf.FederatedData.from_groups(np.arange(40) % 3, **arrays)
     four = nf.FederatedData.from_groups(np.arange(40) % 4, **arrays)
-    svi = nf.SFVI(fed, nf.AutoStructured(fed), optax.adam(0.1))
+    svi = nf.SFVI(fed, nf.AutoGlobalLocalNormal(fed), optax.adam(0.1))
     state = svi.init(jax_key(), three)
     with pytest.raises(ValueError, match="3 silos but the data hold 4"):
         svi.update(state, four)

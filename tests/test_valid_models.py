@@ -35,9 +35,9 @@ def _schools():
 @pytest.mark.parametrize(
     "make",
     [
-        lambda fed: nf.SFVI(fed, nf.AutoStructured(fed), optax.adam(0.05)),
+        lambda fed: nf.SFVI(fed, nf.AutoGlobalLocalNormal(fed), optax.adam(0.05)),
         lambda fed: nf.SFVIAvg(
-            fed, nf.AutoStructured(fed), optax.adam(0.05), local_steps=3
+            fed, nf.AutoGlobalLocalNormal(fed), optax.adam(0.05), local_steps=3
         ),
         lambda fed: nf.PVI(fed, nf.AutoMeanField(fed), optax.adam(0.05), local_steps=3),
     ],
@@ -58,7 +58,7 @@ def test_data_in_a_scale_parameter_sfvi_equals_numpyro_svi():
     """SFVI, one school per silo, equals centralized NumPyro SVI with the same guide,
     iterate for iterate (float64, reproducible noise)."""
     fed, data = _schools()
-    guide = nf.AutoStructured(fed)
+    guide = nf.AutoGlobalLocalNormal(fed)
     svi = nf.SFVI(fed, guide, optax.adam(0.05), stl=False, reproducible=True)
     state, ref = m.numpyro_svi_reference(fed, guide, svi, data, 20, optax.adam(0.05))
     result = svi.run(None, 20, data, init_state=state, progress_bar=False)
@@ -89,7 +89,7 @@ def test_global_factor_sfvi_equals_numpyro_svi():
     equals centralized NumPyro SVI on the same model, iterate for iterate."""
     fed = nf.federate(factor_prior, silos="data")
     data = nf.FederatedData.from_groups(m.split_groups(8, 3), y=FACTOR_Y)
-    guide = nf.AutoStructured(fed)
+    guide = nf.AutoGlobalLocalNormal(fed)
     svi = nf.SFVI(fed, guide, optax.adam(0.05), stl=False, reproducible=True)
     state, ref = m.numpyro_svi_reference(fed, guide, svi, data, 20, optax.adam(0.05))
     result = svi.run(None, 20, data, init_state=state, progress_bar=False)
@@ -107,7 +107,7 @@ def test_global_factor_gives_the_exact_posterior(algorithm):
     if algorithm == "sfvi":
         schedule = optax.exponential_decay(0.05, 500, 0.5)
         svi = nf.SFVI(
-            fed, nf.AutoStructured(fed), optax.adam(schedule), num_particles=4
+            fed, nf.AutoGlobalLocalNormal(fed), optax.adam(schedule), num_particles=4
         )
         params = svi.run(jax.random.key(0), 3000, data, progress_bar=False).params
         tol = 5e-3
@@ -270,10 +270,20 @@ def test_ragged_nested_sfvi_equals_numpyro_svi():
     pooled["real"] = np.arange(width) < np.array(HOMES)[:, None]
     ref_fed = nf.federate(radon_masked, silos="county")
     svi = nf.SFVI(
-        fed, nf.AutoStructured(fed), optax.adam(0.05), stl=False, reproducible=True
+        fed,
+        nf.AutoGlobalLocalNormal(fed),
+        optax.adam(0.05),
+        stl=False,
+        reproducible=True,
     )
     state, ref = m.numpyro_svi_reference(
-        ref_fed, nf.AutoStructured(ref_fed), svi, data, 20, optax.adam(0.05), pooled
+        ref_fed,
+        nf.AutoGlobalLocalNormal(ref_fed),
+        svi,
+        data,
+        20,
+        optax.adam(0.05),
+        pooled,
     )
     result = svi.run(None, 20, data, init_state=state, progress_bar=False)
     np.testing.assert_allclose(result.losses, ref.losses, rtol=1e-9)
@@ -289,14 +299,14 @@ def test_ragged_nested_guide_leaves_padded_coordinates_out(local_cov):
     fed = nf.federate(radon_latent, silos="county")
     silos = _radon_silos()
     data = nf.FederatedData.from_silos(silos)
-    padded = nf.AutoStructured(fed, local_cov=local_cov)
+    padded = nf.AutoGlobalLocalNormal(fed, local_cov=local_cov)
     padded.setup(data)
     rng = np.random.default_rng(5)
     eta_g = {"loc": jnp.asarray(rng.normal(size=3)), "scale": jnp.full(3, 0.5)}
     z_g = jnp.asarray(rng.normal(size=3))
     width = padded.local_dim
     for j in (0, 4):  # one home; three homes
-        own = nf.AutoStructured(fed, local_cov=local_cov)
+        own = nf.AutoGlobalLocalNormal(fed, local_cov=local_cov)
         own.setup(nf.FederatedData.from_silos([silos[j]]))
         n = own.local_dim
         junk = rng.normal(size=(1, width, width)) * 3
@@ -336,10 +346,10 @@ def test_ragged_nested_guide_leaves_padded_coordinates_out(local_cov):
     "make",
     [
         lambda fed: nf.SFVI(
-            fed, nf.AutoStructured(fed, local_cov="full"), optax.adam(0.05)
+            fed, nf.AutoGlobalLocalNormal(fed, local_cov="full"), optax.adam(0.05)
         ),
         lambda fed: nf.SFVIAvg(
-            fed, nf.AutoStructured(fed), optax.adam(0.05), local_steps=3
+            fed, nf.AutoGlobalLocalNormal(fed), optax.adam(0.05), local_steps=3
         ),
         lambda fed: nf.PVI(fed, nf.AutoMeanField(fed), optax.adam(0.05), local_steps=3),
     ],
@@ -363,7 +373,7 @@ def test_a_deployed_silo_must_give_its_nested_plate_sizes():
 
     fed = nf.federate(radon, silos="county")
     data = nf.FederatedData.from_silos(_radon_silos())
-    fit = nf.SFVI(fed, nf.AutoStructured(fed), optax.adam(0.05))
+    fit = nf.SFVI(fed, nf.AutoGlobalLocalNormal(fed), optax.adam(0.05))
     federation = fit.federation(data)
     nested = nf.partition.nested_sizes(fed, data, nf.partition.analyze(fed, data))
     own = take(silo_data_of(data, nested), 3)  # the 116-home county

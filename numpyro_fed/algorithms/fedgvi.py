@@ -260,7 +260,7 @@ def fedgvi(
     :math:`q / t_m`.
 
     :param callable model: the federated model.
-    :param guide: an :class:`~numpyro_fed.AutoStructured` guide, already set up.
+    :param guide: an :class:`~numpyro_fed.AutoGlobalLocalNormal` guide, already set up.
     :param local_optim: the silos' optax optimizer.
     :param dict template: one unit of silo data (:func:`~numpyro_fed.densities.data_template`).
     :param callable prior_of: as for :func:`~numpyro_fed.algorithms.pvi.pvi`.

@@ -101,7 +101,7 @@ def pvi(
     from the key chain in its state.
 
     :param callable model: the federated model.
-    :param guide: an :class:`~numpyro_fed.AutoStructured` guide, already set up; its
+    :param guide: an :class:`~numpyro_fed.AutoGlobalLocalNormal` guide, already set up; its
         global factor (``global_cov="diag"`` or ``"full"``) is the PVI family.
     :param local_optim: the silos' optax optimizer.
     :param dict template: one unit of silo data (:func:`~numpyro_fed.densities.data_template`).

@@ -120,7 +120,7 @@ def sfvi(
     Build SFVI's pure functions (Hassan et al., Algorithm 1).
 
     :param callable model: the federated model.
-    :param guide: an :class:`~numpyro_fed.AutoStructured` guide, already set up.
+    :param guide: an :class:`~numpyro_fed.AutoGlobalLocalNormal` guide, already set up.
     :param optimizer: an optax transformation; elementwise ones (Adam, SGD) make the
         split server/silo states identical to one centralized optimizer.
     :param dict template: one unit of silo data

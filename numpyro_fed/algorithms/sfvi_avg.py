@@ -109,7 +109,7 @@ def sfvi_avg(
     Build SFVI-Avg's pure functions (Hassan et al., Algorithm 2).
 
     :param callable model: the federated model.
-    :param guide: an :class:`~numpyro_fed.AutoStructured` guide, already set up.
+    :param guide: an :class:`~numpyro_fed.AutoGlobalLocalNormal` guide, already set up.
     :param optimizer: optax transformation used by every silo's local steps.
     :param dict template: one unit of silo data (:func:`~numpyro_fed.densities.data_template`).
     :param int num_units: :math:`N`, units in the pooled data (each silo scales its

@@ -3,6 +3,6 @@
 """Variational families with an explicit global / local parameter split."""
 
 from numpyro_fed.families.amortized import AutoAmortized
-from numpyro_fed.families.structured import AutoMeanField, AutoStructured
+from numpyro_fed.families.structured import AutoGlobalLocalNormal, AutoMeanField
 
-__all__ = ["AutoAmortized", "AutoMeanField", "AutoStructured"]
+__all__ = ["AutoAmortized", "AutoMeanField", "AutoGlobalLocalNormal"]

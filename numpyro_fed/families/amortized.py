@@ -2,7 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Amortized local factors (Hassan et al., §3.2 remark; spec §3.8).
 
-The global factor is the structured Gaussian of :class:`AutoStructured`; each unit's
+The global factor is the structured Gaussian of :class:`AutoGlobalLocalNormal`; each unit's
 local factor is a diagonal Gaussian whose location and scale an encoder network
 computes from that unit's own data,
 
@@ -28,7 +28,7 @@ import numpy as np
 from numpyro.distributions import constraints
 from numpyro.infer.initialization import init_to_uniform
 
-from numpyro_fed.families.structured import AutoStructured, gaussian_log_density
+from numpyro_fed.families.structured import AutoGlobalLocalNormal, gaussian_log_density
 
 __all__ = ["AutoAmortized"]
 
@@ -37,7 +37,7 @@ def _inverse_softplus(x: float) -> float:
     return float(np.log(np.expm1(x)))
 
 
-class AutoAmortized(AutoStructured):
+class AutoAmortized(AutoGlobalLocalNormal):
     """
     Structured Gaussian global factor with amortized, diagonal Gaussian local factors:
     an MLP maps each unit's features to the location and softplus scale of its local
@@ -56,7 +56,7 @@ class AutoAmortized(AutoStructured):
     :param bool shared: one encoder for all silos, in :math:`\\eta_G` (``True``), or one
         private encoder per silo, in its local parameters (``False``).
     :param callable activation: hidden-layer nonlinearity.
-    :param str global_cov: ``"diag"`` or ``"full"``, as in :class:`AutoStructured`.
+    :param str global_cov: ``"diag"`` or ``"full"``, as in :class:`AutoGlobalLocalNormal`.
     :param callable init_loc_fn: NumPyro init strategy for the global locations.
     :param float init_scale: initial scale of the global factor and of the local
         factors (the encoder starts at location 0 and this scale for every unit).
@@ -185,7 +185,7 @@ class AutoAmortized(AutoStructured):
         if self.local_dim == 0:
             raise ValueError(
                 "AutoAmortized needs local latent sites inside the silo plate; this "
-                "model has none (use AutoStructured)."
+                "model has none (use AutoGlobalLocalNormal)."
             )
         if self.shared and not glob:
             raise NotImplementedError(

@@ -35,7 +35,7 @@ from numpyro_fed.partition import (
     site_specs,
 )
 
-__all__ = ["AutoMeanField", "AutoStructured"]
+__all__ = ["AutoMeanField", "AutoGlobalLocalNormal"]
 
 _LOG_2PI = float(np.log(2 * np.pi))
 GLOBAL_PREFIX = "_fed_global_"
@@ -76,12 +76,12 @@ def _first_units(arrays: dict, size: int) -> dict:
     return {k: v[0, :size] for k, v in arrays.items()}
 
 
-class AutoStructured:
+class AutoGlobalLocalNormal:
     """
     Structured Gaussian guide with a global factor and per-unit local factors that
     depend linearly on the global draw (Hassan et al., §2.2; Tan et al. 2020).
 
-    It is an ordinary NumPyro guide (``SVI(model, AutoStructured(model), ...)`` runs
+    It is an ordinary NumPyro guide (``SVI(model, AutoGlobalLocalNormal(model))`` runs
     centralized VI on pooled data) and it also exposes the pure functions the
     federated algorithms need, with an explicit split of the parameters into the
     server's global part :math:`\\eta_G` and each silo's local part :math:`\\eta_{L_j}`.
@@ -103,6 +103,9 @@ class AutoStructured:
     1. *Federated Variational Inference Methods for Structured Latent Variable
        Models*, C. Hassan, R. Salomone, K. Mengersen.
 
+    Until version 0.1 this guide was called ``AutoStructured``; Pyro's
+    ``AutoStructured`` is a different family (per-site dependencies chosen by the user).
+
     **Example:**
 
     .. doctest::
@@ -117,7 +120,7 @@ class AutoStructured:
         ...         theta = numpyro.sample("theta", dist.Normal(mu, 1))
         ...         numpyro.sample("y", dist.Normal(theta, 1), obs=y)
         >>> fed = nf.federate(model, silos="school")
-        >>> guide = nf.AutoStructured(fed)
+        >>> guide = nf.AutoGlobalLocalNormal(fed)
         >>> svi = SVI(fed, guide, optax.adam(0.1), Trace_ELBO())
         >>> result = svi.run(jax.random.key(0), 10, y=jnp.ones(3), progress_bar=False)
         >>> sorted(result.params)  # doctest: +NORMALIZE_WHITESPACE
@@ -195,7 +198,7 @@ class AutoStructured:
                 f"{differ} differ (the model has {sorted(specs)} in silo plate "
                 f"{roles.silo_plate!r}, the guide {sorted(mine)} in "
                 f"{self.roles.silo_plate!r}). Build it from the model you fit, e.g. "
-                "nf.AutoStructured(model)."
+                "nf.AutoGlobalLocalNormal(model)."
             )
 
     def _setup(self, roles: ModelRoles, arrays: dict, args: tuple, kwargs: dict):
@@ -517,12 +520,12 @@ class AutoStructured:
         return values, self.log_q_local(eta_g, eta_l, z_g, z_l) - log_det
 
 
-def AutoMeanField(model: Callable, **kwargs: Any) -> AutoStructured:
-    """Mean-field Gaussian guide: :class:`AutoStructured` with diagonal global and
+def AutoMeanField(model: Callable, **kwargs: Any) -> AutoGlobalLocalNormal:
+    """Mean-field Gaussian guide: :class:`AutoGlobalLocalNormal` with diagonal global and
     local factors and no coupling.
 
     :param callable model: a federated model.
     """
-    return AutoStructured(
+    return AutoGlobalLocalNormal(
         model, global_cov="diag", coupling=False, local_cov="diag", **kwargs
     )

@@ -15,7 +15,7 @@ def sample_structured(
 ) -> dict[str, jax.Array]:
     """Draws of every latent site from :math:`q(z_G) \\prod_j q(z_{L_j} \\mid z_G)`.
 
-    :param guide: an :class:`~numpyro_fed.AutoStructured` guide, set up.
+    :param guide: an :class:`~numpyro_fed.AutoGlobalLocalNormal` guide, set up.
     :param params: constrained parameters with fields ``eta_global`` and ``eta_local``
         (local ones stacked ``(J, P, ...)``).
     :param data: a :class:`~numpyro_fed.FederatedData` to return local sites in the

@@ -29,7 +29,7 @@ from numpyro_fed.expfam import (
     guide_params,
     kl,
 )
-from numpyro_fed.families.structured import AutoMeanField, AutoStructured
+from numpyro_fed.families.structured import AutoGlobalLocalNormal, AutoMeanField
 from numpyro_fed.infer.driver import Driver, FederatedState, RunResult
 from numpyro_fed.infer.posterior import sample_structured
 from numpyro_fed.infer.vi import local_params
@@ -78,22 +78,22 @@ class PVIParams(NamedTuple):
     eta_local: dict
 
 
-def _resolve_guide(model: Callable, guide: Any) -> AutoStructured:
+def _resolve_guide(model: Callable, guide: Any) -> AutoGlobalLocalNormal:
     if guide is None:
         return AutoMeanField(model)
-    if isinstance(guide, AutoStructured):
+    if isinstance(guide, AutoGlobalLocalNormal):
         return guide
     if isinstance(guide, (autoguide.AutoNormal, autoguide.AutoDiagonalNormal)):
         return AutoMeanField(model, init_loc_fn=guide.init_loc_fn)
     if isinstance(guide, autoguide.AutoMultivariateNormal):
-        return AutoStructured(
+        return AutoGlobalLocalNormal(
             model, global_cov="full", coupling=False, init_loc_fn=guide.init_loc_fn
         )
     raise TypeError(
         f"PVI needs a variational family closed under factor division (mean-field or "
         f"full-rank Gaussian over the global sites); {type(guide).__name__} is not "
         "(low-rank, flow, Delta and Laplace guides have no natural-parameter algebra). "
-        "Use nf.AutoMeanField(model), nf.AutoStructured(model, global_cov='full'), "
+        "Use nf.AutoMeanField(model), nf.AutoGlobalLocalNormal(model, global_cov='full'), "
         "AutoNormal or AutoMultivariateNormal."
     )
 
@@ -111,7 +111,7 @@ class PVI(Driver):
 
     :param callable model: a federated model (:func:`~numpyro_fed.federate`).
     :param guide: :class:`~numpyro_fed.AutoMeanField` (default),
-        :class:`~numpyro_fed.AutoStructured` with ``global_cov="full"`` or
+        :class:`~numpyro_fed.AutoGlobalLocalNormal` with ``global_cov="full"`` or
         ``"diag"``, or NumPyro's ``AutoNormal`` / ``AutoDiagonalNormal`` /
         ``AutoMultivariateNormal`` (mapped to these). Other families are not closed
         under factor division and are refused.

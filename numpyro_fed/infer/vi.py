@@ -22,7 +22,7 @@ from numpyro_fed.elbo import noise_keys
 from numpyro_fed.families.structured import (
     GLOBAL_PREFIX,
     LOCAL_PREFIX,
-    AutoStructured,
+    AutoGlobalLocalNormal,
 )
 from numpyro_fed.infer.driver import Driver, FederatedState
 from numpyro_fed.infer.posterior import sample_structured
@@ -54,10 +54,10 @@ def local_params(constraints: dict, silos: Any) -> dict:
 
 def check_guide(guide: Any) -> None:
     """Raise unless ``guide`` is a structured federated guide."""
-    if not isinstance(guide, AutoStructured):
+    if not isinstance(guide, AutoGlobalLocalNormal):
         raise TypeError(
             "guide must be a federated guide that splits into global and per-silo "
-            f"parts; got {type(guide).__name__}. Use nf.AutoStructured(model) (or "
+            f"parts; got {type(guide).__name__}. Use nf.AutoGlobalLocalNormal(model) (or "
             "nf.AutoMeanField(model), the federated AutoNormal)."
         )
 
@@ -74,7 +74,7 @@ class SFVI(Driver):
     :param callable model: a federated model (:func:`~numpyro_fed.federate` or
         :class:`~numpyro_fed.silo_plate`); bind non-split arguments with
         :func:`functools.partial` before federating.
-    :param guide: an :class:`~numpyro_fed.AutoStructured` guide of ``model``.
+    :param guide: an :class:`~numpyro_fed.AutoGlobalLocalNormal` guide of ``model``.
     :param optim: an ``optax.GradientTransformation`` (e.g. ``optax.adam(1e-2)``).
     :param int num_particles: Monte Carlo draws per round.
     :param bool stl: sticking-the-landing gradients (``False``: NumPyro's
@@ -103,7 +103,7 @@ class SFVI(Driver):
         ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
         >>> fed = nf.federate(model, silos="data")
         >>> data = nf.FederatedData.from_groups([0, 0, 1, 2], y=jnp.array([1.0, 2, 3, 4]))
-        >>> svi = nf.SFVI(fed, nf.AutoStructured(fed), optax.adam(0.05))
+        >>> svi = nf.SFVI(fed, nf.AutoGlobalLocalNormal(fed), optax.adam(0.05))
         >>> result = svi.run(jax.random.key(0), 2000, data, progress_bar=False)
         >>> round(float(result.params.eta_global["loc"][0]), 1)
         2.5
@@ -265,7 +265,7 @@ class SFVIAvg(SFVI):
         ...         numpyro.sample("y", dist.Normal(mu, 1), obs=y)
         >>> fed = nf.federate(model, silos="data")
         >>> data = nf.FederatedData.from_groups([0, 0, 1, 1], y=jnp.array([1.0, 2, 3, 4]))
-        >>> avg = nf.SFVIAvg(fed, nf.AutoStructured(fed), optax.adam(0.05), local_steps=50)
+        >>> avg = nf.SFVIAvg(fed, nf.AutoGlobalLocalNormal(fed), optax.adam(0.05), local_steps=50)
         >>> result = avg.run(jax.random.key(0), 40, data, progress_bar=False)
         >>> round(float(result.params.eta_global["loc"][0]), 1)
         2.5

@@ -93,7 +93,7 @@ def _poison_y(silo_data, j):
 
 def _structured(data):
     fed = nf.federate(m.hierarchical, silos="group")
-    guide = nf.AutoStructured(fed)
+    guide = nf.AutoGlobalLocalNormal(fed)
     guide.setup(data)
     return fed, guide
 

@@ -77,7 +77,7 @@ MEAN_MF, PREC_MF = _exact(X_MF, Y_MF)
 
 
 def _natural(schedule="sequential", cov="full", **kw):
-    guide = nf.AutoStructured(FED, global_cov=cov, coupling=False)
+    guide = nf.AutoGlobalLocalNormal(FED, global_cov=cov, coupling=False)
     kw.setdefault("local_steps", 1)
     return nf.PVI(FED, guide, schedule=schedule, local_solver="natural", **kw)
 
@@ -107,7 +107,7 @@ def test_factory_runs_under_every_generic_runtime(runtime):
     the prior, or one after another in a random order); in the second round each
     silo first commits its acknowledged update, after which its factor is exactly
     its likelihood, q stays exact and q = p prod t_m."""
-    guide = nf.AutoStructured(FED, global_cov="full", coupling=False)
+    guide = nf.AutoGlobalLocalNormal(FED, global_cov="full", coupling=False)
     guide.setup(DATA)
     num_silos = DATA.num_silos
     algorithm = pvi(
@@ -318,7 +318,7 @@ def test_parallel_natural_steps_are_partition_invariant(rho):
         np.arange(80),
     ):
         data = nf.FederatedData.from_groups(groups, X=Xl, y=yl)
-        guide = nf.AutoStructured(fed, global_cov="full", coupling=False)
+        guide = nf.AutoGlobalLocalNormal(fed, global_cov="full", coupling=False)
         pvi = nf.PVI(
             fed,
             guide,

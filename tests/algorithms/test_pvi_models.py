@@ -52,7 +52,7 @@ def test_local_latents_recover_the_exact_hierarchical_posterior():
     y = rng.normal(size=(12, 3)) + 1.5
     fed = nf.federate(m.normal_normal, silos="group")
     data = nf.FederatedData.from_groups(np.arange(12) % 3, y=y)
-    guide = nf.AutoStructured(fed, global_cov="diag", coupling=True)
+    guide = nf.AutoGlobalLocalNormal(fed, global_cov="diag", coupling=True)
     pvi = nf.PVI(
         fed,
         guide,
@@ -86,7 +86,7 @@ def test_local_latents_with_many_small_silos_do_not_collapse():
     y = np.random.default_rng(0).normal(size=(J, 3)) + 1.5
     fed = nf.federate(m.normal_normal, silos="group")
     data = nf.FederatedData.from_groups(np.arange(J), y=y)
-    guide = nf.AutoStructured(fed, global_cov="diag", coupling=True)
+    guide = nf.AutoGlobalLocalNormal(fed, global_cov="diag", coupling=True)
     pvi = nf.PVI(fed, guide, schedule="sequential")
     result = pvi.run(jax.random.key(0), 150, data, progress_bar=False)
     assert pvi.solver == "natural"
@@ -123,7 +123,7 @@ def test_non_gaussian_prior_factor_reaches_global_vi():
     qs = []
     for groups in (np.zeros(60), np.arange(60) % 4):
         data = nf.FederatedData.from_groups(groups, y=y)
-        guide = nf.AutoStructured(fed, global_cov="full", coupling=False)
+        guide = nf.AutoGlobalLocalNormal(fed, global_cov="full", coupling=False)
         pvi = nf.PVI(
             fed,
             guide,
@@ -161,7 +161,7 @@ def test_hyperparameter_gradient_is_the_evidence_gradient():
     server's prior term equal d log p(y | var) / d log var (exact: sigma-point
     expectations of a quadratic)."""
     fed = nf.federate(noise_model, silos="data")
-    guide = nf.AutoStructured(fed, global_cov="full", coupling=False)
+    guide = nf.AutoGlobalLocalNormal(fed, global_cov="full", coupling=False)
     lr = 1e-3
     pvi = nf.PVI(
         fed,
@@ -205,7 +205,7 @@ def test_improper_cavity_is_detected(prior_prec, raises):
     groups = np.repeat([0, 1], [30, 3])
     fed = nf.federate(lambda y: cauchy_model(y, prior_prec), silos="data")
     data = nf.FederatedData.from_groups(groups, y=y)
-    guide = nf.AutoStructured(
+    guide = nf.AutoGlobalLocalNormal(
         fed,
         global_cov="full",
         coupling=False,
@@ -276,7 +276,7 @@ def test_warm_start_from_received_q_converges_undamped():
 def test_sample_posterior_and_arviz():
     pvi = nf.PVI(
         FED,
-        nf.AutoStructured(FED, global_cov="full", coupling=False),
+        nf.AutoGlobalLocalNormal(FED, global_cov="full", coupling=False),
         schedule="sequential",
         local_solver="natural",
         local_steps=1,
@@ -346,7 +346,7 @@ def test_non_gaussian_prior_against_nuts():
     y = 1.0 + 2.0 * rng.normal(size=60)
     fed = nf.federate(scale_model, silos="data")
     data = nf.FederatedData.from_groups(np.arange(60) % 4, y=y)
-    guide = nf.AutoStructured(fed, global_cov="full", coupling=False)
+    guide = nf.AutoGlobalLocalNormal(fed, global_cov="full", coupling=False)
     pvi = nf.PVI(
         fed,
         guide,

@@ -42,7 +42,7 @@ def _setup(name, num_silos, guide_kwargs=GUIDES["full"], **sfvi_kwargs):
     arrays = make()
     units = next(iter(arrays.values())).shape[0]
     data = nf.FederatedData.from_groups(m.split_groups(units, num_silos), **arrays)
-    guide = nf.AutoStructured(fed, **guide_kwargs)
+    guide = nf.AutoGlobalLocalNormal(fed, **guide_kwargs)
     svi = nf.SFVI(fed, guide, optax.adam(0.05), **sfvi_kwargs)
     return fed, guide, svi, data
 
@@ -251,7 +251,9 @@ def test_padding_invariance():
     runs = []
     for pad in (None, 6):
         data = nf.FederatedData.from_groups(groups, pad_to=pad, **arrays)
-        svi = nf.SFVI(fed, nf.AutoStructured(fed, local_cov="full"), optax.adam(0.05))
+        svi = nf.SFVI(
+            fed, nf.AutoGlobalLocalNormal(fed, local_cov="full"), optax.adam(0.05)
+        )
         if runs:
             init = _repartition(runs[0][0], runs[0][2], data)
             state = svi.init(jax.random.key(0), data, init_params=init)
@@ -286,7 +288,7 @@ def test_federate_equals_silo_plate():
     data = nf.FederatedData.from_groups(m.split_groups(7, 3), **m.hierarchical_data())
     losses = []
     for model in (nf.federate(m.hierarchical, silos="group"), written):
-        svi = nf.SFVI(model, nf.AutoStructured(model), optax.adam(0.05))
+        svi = nf.SFVI(model, nf.AutoGlobalLocalNormal(model), optax.adam(0.05))
         losses.append(svi.run(jax.random.key(0), 15, data, progress_bar=False).losses)
     np.testing.assert_array_equal(losses[0], losses[1])
 
@@ -298,7 +300,7 @@ def test_sequential_runtime_equals_simulation():
     a = svi.run(jax.random.key(0), 5, data, progress_bar=False)
     seq = nf.SFVI(
         fed,
-        nf.AutoStructured(fed, **GUIDES["full"]),
+        nf.AutoGlobalLocalNormal(fed, **GUIDES["full"]),
         optax.adam(0.05),
         runtime="sequential",
     )
@@ -339,7 +341,9 @@ def test_conjugate_hierarchy_converges_to_exact_posterior():
     fed = nf.federate(m.normal_normal, silos="group")
     data = nf.FederatedData.from_groups(np.array([0, 0, 1, 1, 1]), y=y)
     schedule = optax.exponential_decay(0.05, 500, 0.5)
-    svi = nf.SFVI(fed, nf.AutoStructured(fed), optax.adam(schedule), num_particles=4)
+    svi = nf.SFVI(
+        fed, nf.AutoGlobalLocalNormal(fed), optax.adam(schedule), num_particles=4
+    )
     params = svi.run(jax.random.key(0), 4000, data, progress_bar=False).params
     mean, cov = m.normal_normal_posterior(y)
     g, loc = params.eta_global, params.eta_local

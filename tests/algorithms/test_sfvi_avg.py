@@ -22,7 +22,7 @@ def test_one_silo_rounds_equal_centralized_steps():
     equal R m steps of centralized NumPyro SVI, draw for draw."""
     fed = nf.federate(m.hierarchical, silos="group")
     data = nf.FederatedData.from_groups(np.zeros(7, int), **m.hierarchical_data())
-    guide = nf.AutoStructured(fed, local_cov="full")
+    guide = nf.AutoGlobalLocalNormal(fed, local_cov="full")
     avg = nf.SFVIAvg(
         fed, guide, optax.adam(0.05), local_steps=4, stl=False, reproducible=True
     )
@@ -56,8 +56,10 @@ def test_scaled_surrogate_gradient_equals_pooled_gradient():
     fed = nf.federate(m.logistic, silos="data")
     sgd = optax.sgd(1.0)
     # the silos draw the server's noise: the same draws as the pooled round
-    avg = nf.SFVIAvg(fed, nf.AutoStructured(fed), sgd, local_steps=1, reproducible=True)
-    sfvi = nf.SFVI(fed, nf.AutoStructured(fed), sgd, reproducible=True)
+    avg = nf.SFVIAvg(
+        fed, nf.AutoGlobalLocalNormal(fed), sgd, local_steps=1, reproducible=True
+    )
+    sfvi = nf.SFVI(fed, nf.AutoGlobalLocalNormal(fed), sgd, reproducible=True)
     state = sfvi.init(jax.random.key(0), data)
     avg_state = avg.init(jax.random.key(0), data, init_params=sfvi.get_params(state))
     stepped, _ = sfvi.update(state, data)
@@ -104,7 +106,9 @@ def test_silo_message_carries_no_unit_dimension():
     """T8 for SFVI-Avg: a silo sends (theta_j, eta_G,j), its ELBO and N_j only."""
     fed = nf.federate(m.hierarchical, silos="group")
     data = nf.FederatedData.from_groups(np.arange(7) % 2, **m.hierarchical_data())
-    avg = nf.SFVIAvg(fed, nf.AutoStructured(fed), optax.adam(0.05), local_steps=2)
+    avg = nf.SFVIAvg(
+        fed, nf.AutoGlobalLocalNormal(fed), optax.adam(0.05), local_steps=2
+    )
     state = avg.init(jax.random.key(0), data)
     algorithm, _ = avg._build(data)
     _, keys, silo_keys = avg._round_keys(state.rng_key, data.num_silos)

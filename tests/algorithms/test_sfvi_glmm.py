@@ -25,7 +25,7 @@ def test_six_cities_glmm_against_nuts():
     fed = nf.federate(m.glmm, silos="child")
     svi = nf.SFVI(
         fed,
-        nf.AutoStructured(fed),
+        nf.AutoGlobalLocalNormal(fed),
         optax.adam(optax.exponential_decay(0.02, 2000, 0.5)),
         num_particles=4,
     )

@@ -60,7 +60,7 @@ def _joint_moments(eta_g, eta_l):
 def guide():
     fed = nf.federate(m.hierarchical, silos="group")
     data = nf.FederatedData.from_groups(np.zeros(7, int), **m.hierarchical_data())
-    g = nf.AutoStructured(fed, local_cov="full")
+    g = nf.AutoGlobalLocalNormal(fed, local_cov="full")
     g.setup(data)
     return g
 
@@ -143,7 +143,7 @@ def test_mean_field_has_no_coupling():
 )
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        nf.AutoStructured(nf.federate(m.hierarchical, silos="group"), **kwargs)
+        nf.AutoGlobalLocalNormal(nf.federate(m.hierarchical, silos="group"), **kwargs)
 
 
 def test_silo_wide_log_density_is_joint_gaussian():
@@ -151,7 +151,7 @@ def test_silo_wide_log_density_is_joint_gaussian():
     and the leading units' terms alone give their marginal (what padding relies on)."""
     fed = nf.federate(m.hierarchical, silos="group")
     data = nf.FederatedData.from_groups(np.zeros(7, int), **m.hierarchical_data())
-    guide = nf.AutoStructured(fed, local_cov="silo")
+    guide = nf.AutoGlobalLocalNormal(fed, local_cov="silo")
     guide.setup(data)
     units, n_g, n_l = 3, guide.global_dim, guide.local_dim
     eta_g, eta_l = _random_params(guide, units, jax.random.key(4))
@@ -175,3 +175,11 @@ def test_silo_wide_log_density_is_joint_gaussian():
     np.testing.assert_allclose(
         terms[:2].sum(), marginal.log_prob(z_l.reshape(-1)[:lead]), rtol=1e-10
     )
+
+
+def test_old_name_warns_and_returns_the_renamed_guide():
+    with pytest.warns(FutureWarning, match="AutoGlobalLocalNormal"):
+        old = nf.AutoStructured
+    assert old is nf.AutoGlobalLocalNormal
+    with pytest.raises(AttributeError, match="no_such_name"):
+        nf.no_such_name

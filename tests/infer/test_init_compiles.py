@@ -49,7 +49,7 @@ def _one_unit_silos(num_silos):
     return nf.FederatedData.from_groups(np.arange(num_silos), X=X, y=y)
 
 
-GUIDES = {"structured": nf.AutoStructured, "mean-field": nf.AutoMeanField}
+GUIDES = {"structured": nf.AutoGlobalLocalNormal, "mean-field": nf.AutoMeanField}
 
 
 @pytest.mark.parametrize("guide", GUIDES.values(), ids=GUIDES.keys())

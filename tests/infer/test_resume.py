@@ -159,7 +159,7 @@ def test_a_checkpoint_of_another_run_is_refused(tmp_path):
         resume(MAKE["SFVI"](runtime="events"))
     with pytest.raises(CheckpointError, match="data_layout="):
         resume(MAKE["SFVI"](), _data(3))
-    other_guide = nf.SFVI(FED, nf.AutoStructured(FED), optax.adam(0.05))
+    other_guide = nf.SFVI(FED, nf.AutoGlobalLocalNormal(FED), optax.adam(0.05))
     with pytest.raises(CheckpointError, match=r"field \['state'\]"):
         resume(other_guide)
     with pytest.raises(CheckpointError, match="already holds a checkpoint"):

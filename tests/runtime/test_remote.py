@@ -170,7 +170,9 @@ def test_a_user_class_gives_its_federation():
     arrays = m.hierarchical_data(num_groups=7, num_obs=4)
     data = nf.FederatedData.from_groups(m.split_groups(7, 3), **arrays)
     model = nf.federate(m.hierarchical, silos="group")
-    fit = nf.SFVI(model, nf.AutoStructured(model), optax.adam(0.05), num_particles=2)
+    fit = nf.SFVI(
+        model, nf.AutoGlobalLocalNormal(model), optax.adam(0.05), num_particles=2
+    )
     fed = fit.federation(data)
     assert fed.num_silos == 3 and fed.silo_key_like.shape == (2,)
     silo_data = silo_data_of(data)
