@@ -113,7 +113,7 @@ def check_finite_array(name: str, value: Any, where: str) -> None:
         return
     bad = ~np.isfinite(x)
     if bad.any():
-        rows = np.flatnonzero(bad.reshape(len(x), -1).any(1)) if x.ndim else []
+        rows = np.flatnonzero(bad.reshape(len(x), -1).any(1)) if x.ndim else np.zeros(0, np.intp)
         at = f" (first at row {int(rows[0])})" if len(rows) else ""
         raise ValueError(
             f"Array {name!r} of {where} has {int(bad.sum())} non-finite (NaN or inf) "
@@ -155,7 +155,9 @@ def check_state_layout(
 
     got, got_tree = jax.tree_util.tree_flatten_with_path(state)
     want, want_tree = jax.tree_util.tree_flatten_with_path(expected)
-    if got_tree != want_tree:
+    # jaxlib ships its _jax extension without stubs, so mypy cannot see
+    # PyTreeDef.__ne__.
+    if got_tree != want_tree:  # type: ignore[operator]
         have = {field(p) for p, _ in got}
         need = {field(p) for p, _ in want}
         missing, extra = sorted(need - have), sorted(have - need)
@@ -171,10 +173,10 @@ def check_state_layout(
     for (path, x), (_, e) in zip(got, want, strict=True):
         shape, dtype = tuple(np.shape(x)), _dtype(x)
         if shape != tuple(e.shape) or (dtypes and dtype != e.dtype):
-            need = f"{tuple(e.shape)} ({e.dtype})" if dtypes else f"{tuple(e.shape)}"
+            wanted = f"{tuple(e.shape)} ({e.dtype})" if dtypes else f"{tuple(e.shape)}"
             raise ValueError(
                 f"{owner}: {field(path)} has shape {shape} ({dtype}) but this data "
-                f"layout needs {need}: the state was made for data of another "
+                f"layout needs {wanted}: the state was made for data of another "
                 f"layout (number of silos or rows, padded units, array shapes); {fix}."
             )
 

@@ -117,7 +117,8 @@ class FederatedData:
 
     @classmethod
     def tree_unflatten(cls, static: tuple, children: tuple) -> "FederatedData":
-        return cls(*children, static)
+        arrays, mask, ids = children
+        return cls(arrays, mask, ids, static)
 
     @classmethod
     def from_groups(
@@ -174,13 +175,13 @@ class FederatedData:
         arrays = {name: np.asarray(value) for name, value in arrays.items()}
         labels, order, sizes = group_rows(groups)
 
-        def name(j: int) -> str:
+        def silo_name(j: int) -> str:
             return f"silo {j} (label {labels[j].item()!r})"
 
-        check_min_silo_size(sizes, min_silo_size, name)
+        check_min_silo_size(sizes, min_silo_size, silo_name)
         silo_of_row = np.empty(len(groups), np.intp)
         silo_of_row[order] = np.repeat(np.arange(len(sizes)), sizes)
-        check_rows(arrays, silo_of_row, name)
+        check_rows(arrays, silo_of_row, silo_name)
         ids = unit_ids(sizes, _padded_size(sizes, pad_to), order)
         stacked = {k: stack_rows(v, ids) for k, v in arrays.items()}
         # One shapes tuple per distinct silo size, shared by the silos of that size.
@@ -394,7 +395,7 @@ def _padded_size(sizes: np.ndarray, pad_to: int | None) -> int:
     return max(units, int(pad_to or 0))
 
 
-def _labels(labels: Sequence[Any], num_silos: int) -> np.ndarray:
+def _labels(labels: Sequence[Any] | np.ndarray, num_silos: int) -> np.ndarray:
     _check_num_silos(num_silos)
     labels = np.asarray(labels)
     if labels.ndim != 1 or len(labels) < num_silos:
@@ -449,7 +450,11 @@ def split_iid(
 
 
 def split_label_skew(
-    labels: Sequence[Any], num_silos: int, dominant: float = 0.9, *, seed: int = 0
+    labels: Sequence[Any] | np.ndarray,
+    num_silos: int,
+    dominant: float = 0.9,
+    *,
+    seed: int = 0,
 ) -> np.ndarray:
     """
     Label-skewed split of Hassan et al. (SFVI): silos of equal size
@@ -510,7 +515,7 @@ def split_label_skew(
 
 
 def split_dirichlet(
-    labels: Sequence[Any],
+    labels: Sequence[Any] | np.ndarray,
     num_silos: int,
     alpha: float,
     *,

@@ -2,9 +2,14 @@
 # SPDX-License-Identifier: Apache-2.0
 """Real data sets used by the examples, loaded offline from packages that ship them."""
 
+import os
 from typing import NamedTuple
 
 import numpy as np
+from numpy.typing import DTypeLike
+
+#: A path: ``str`` or any ``os.PathLike``.
+_StrPath = str | os.PathLike[str]
 
 __all__ = ["SixCities", "six_cities"]
 
@@ -69,7 +74,7 @@ def six_cities() -> SixCities:
 
 __all__ += ["MNIST", "Newsgroups", "mnist", "newsgroups20"]
 
-_IDX_DTYPES = {
+_IDX_DTYPES: dict[int, DTypeLike] = {
     0x08: np.uint8,
     0x09: np.int8,
     0x0B: np.dtype(">i2"),
@@ -94,7 +99,7 @@ class MNIST(NamedTuple):
     y_test: np.ndarray
 
 
-def read_idx(path: str) -> np.ndarray:
+def read_idx(path: _StrPath) -> np.ndarray:
     """
     Read one IDX file (LeCun's MNIST format; ``.gz`` is decompressed): a zero
     half-word, a type byte, the number of dimensions, their big-endian sizes, then
@@ -136,7 +141,7 @@ _MNIST_IDX = {
 }
 
 
-def mnist(path: str) -> MNIST:
+def mnist(path: _StrPath) -> MNIST:
     """
     Load MNIST from files the user supplies: either a directory holding the four IDX
     files of LeCun's site (``train-images-idx3-ubyte``, ``train-labels-idx1-ubyte``,
@@ -218,7 +223,7 @@ class Newsgroups(NamedTuple):
     groups: tuple
 
 
-def _newsgroup_files(path: str) -> list[tuple[str, bytes]]:
+def _newsgroup_files(path: _StrPath) -> list[tuple[str, bytes]]:
     """``(group, raw text)`` of every message in a directory tree or tar archive laid
     out as ``[split/]group/message``."""
     from pathlib import Path
@@ -232,9 +237,10 @@ def _newsgroup_files(path: str) -> list[tuple[str, bytes]]:
     elif path.is_file() and tarfile.is_tarfile(path):
         with tarfile.open(path) as tar:
             for member in sorted(tar.getmembers(), key=lambda m: m.name):
-                if member.isfile():
+                handle = tar.extractfile(member)  # None unless a regular file
+                if member.isfile() and handle is not None:
                     group = Path(member.name).parent.name
-                    out.append((group, tar.extractfile(member).read()))
+                    out.append((group, handle.read()))
     else:
         raise FileNotFoundError(
             f"{path} is neither a directory nor a tar archive of newsgroup messages."
@@ -252,7 +258,7 @@ def _strip_header(text: str) -> str:
 
 
 def newsgroups20(
-    path: str,
+    path: _StrPath,
     *,
     vocab_size: int = 2000,
     remove_headers: bool = True,
@@ -343,7 +349,7 @@ class Susy(NamedTuple):
     y: np.ndarray
 
 
-def susy(path: str, num_rows: int | None = None) -> Susy:
+def susy(path: _StrPath, num_rows: int | None = None) -> Susy:
     """
     Load the SUSY data from a user-supplied copy of the UCI file (``SUSY.csv`` or
     ``SUSY.csv.gz``: no header, the label first, then the 18 features); nothing is
@@ -416,7 +422,7 @@ class HeartDisease(NamedTuple):
     numeric: np.ndarray
 
 
-def heart_disease(path: str) -> HeartDisease:
+def heart_disease(path: _StrPath) -> HeartDisease:
     """
     Load the heart-failure prediction CSV (Kaggle, Fedesoriano 2021: 918 patients, 11
     covariates, the data of Hassan et al. §5.3) from a user-supplied file; nothing is

@@ -63,7 +63,7 @@ class silo_mask(Messenger):
     def process_message(self, msg: dict) -> None:
         if msg["type"] != "sample" or not _in_plate(msg, self.plate):
             return
-        mask = True
+        mask: bool | jax.Array = True
         for frame in msg["cond_indep_stack"]:
             trailing = (1,) * (-frame.dim - 1)
             if frame.name == self.plate and self.mask is not None:
@@ -201,7 +201,11 @@ def real_entries(
         plate, or ``None``.
     :return: the booleans, or ``None`` when nothing is padded.
     """
-    parts = [] if mask is None else [(spec.unit_axis, mask)]
+    parts: list[tuple[int, jax.Array]] = []
+    if mask is not None:
+        if spec.unit_axis is None:
+            raise ValueError(f"Site {spec.name!r} is global: it has no units to mask.")
+        parts.append((spec.unit_axis, mask))
     for plate, axis in spec.plates:
         if nested and plate in nested:
             parts.append((axis, jnp.arange(shape[axis]) < nested[plate]))

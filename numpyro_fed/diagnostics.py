@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import numpy as np
 import numpyro.distributions as dist
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 __all__ = ["compare", "format_compare", "to_arviz"]
 
 
-def _is_datatree(obj: Any) -> bool:
+def _is_datatree(obj: Any) -> TypeGuard[xarray.DataTree]:
     # xarray is imported lazily (ArviZ and xarray add seconds to ``import numpyro_fed``).
     import xarray
 

@@ -228,7 +228,11 @@ def check_rejections(
         f"{label(j)} ({rejected[j]} of {contacted[j]} rounds)" for j in silos[:10]
     )
     more = f" and {len(silos) - 10} more" if len(silos) > 10 else ""
-    failing = [] if max_rejected is None else np.flatnonzero(fraction > max_rejected)
+    failing = (
+        np.zeros(0, np.intp)
+        if max_rejected is None
+        else np.flatnonzero(fraction > max_rejected)
+    )
     if len(failing):
         raise SiloFailure(
             f"{name} stopped: the replies of {', '.join(map(label, failing))} were "

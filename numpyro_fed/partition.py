@@ -95,7 +95,7 @@ def _plate_frames(trace: dict) -> dict[str, Any]:
 
 
 def _silo_plate(model: Callable, trace: dict) -> str:
-    names = {silo_plate_name(s) for s in trace.values()} - {None}
+    names = {n for s in trace.values() if (n := silo_plate_name(s)) is not None}
     plates = [n for n, s in trace.items() if s["type"] == "plate"]
     if isinstance(model, federate):
         if model.silos not in plates:
@@ -175,7 +175,7 @@ def analyze(model: Callable, data: Any, *args: Any, **kwargs: Any) -> ModelRoles
     arrays = data.silo(0)
     trace = _trace(model, arrays, args, kwargs)
     roles = _roles(model, trace, data.num_units)
-    plate_site = trace.get(roles.silo_plate)
+    plate_site = trace[roles.silo_plate]
     size = int(plate_site["args"][0])
     _check_not_subsampled(roles.silo_plate, plate_site, 0)
     largest = int(np.argmax(data.sizes))
@@ -215,7 +215,7 @@ def _check_global_shapes(model, roles, trace, arrays, args, kwargs) -> None:
     runs = {len(next(iter(arrays.values()))): trace}
     for units in (1, 2):
         # numpy: eager jnp.repeat would compile a program per array.
-        few = {
+        few: dict[str, Any] = {
             k: np.repeat(np.asarray(v)[:1], units, axis=0) for k, v in arrays.items()
         }
         if roles.factor_sites:  # their values are compared: run the model
@@ -273,7 +273,13 @@ def analyze_call(model: Callable, args: tuple, kwargs: dict) -> ModelRoles:
 def _roles(model: Callable, trace: dict, num_units: int) -> ModelRoles:
     plate = _silo_plate(model, trace)
     frame = _plate_frames(trace).get(plate)
-    global_sites, local_sites, observed, params, factors = [], [], [], [], []
+    if frame is None:
+        raise ValueError(f"The silo plate {plate!r} holds no site of the model.")
+    global_sites: list[str] = []
+    local_sites: list[str] = []
+    observed: list[str] = []
+    params: list[str] = []
+    factors: list[str] = []
     for name, site in trace.items():
         inside = silo_plate_name(site) == plate
         if site["type"] == "param":

@@ -56,7 +56,8 @@ __all__ = [
 class SiloData(NamedTuple):
     """One silo's data, or all silos' stacked along a leading silo axis.
 
-    - **arrays** - dict of arrays in the model's layout (units along axis 0), padded.
+    - **arrays** - dict of arrays in the model's layout (units along axis 0), padded
+      (vertical FL: party -> the dict of arrays that party holds).
     - **mask** - booleans, True for the silo's real units.
     - **unit_ids** - each unit's index in the pooled data (-1 for padding).
     - **nested** - dict plate name -> the silo's real size of each plate nested in the
@@ -64,7 +65,7 @@ class SiloData(NamedTuple):
       none): entries beyond it are padding, masked out of every site.
     """
 
-    arrays: dict[str, jax.Array]
+    arrays: dict[str, Any]
     mask: jax.Array
     unit_ids: jax.Array
     nested: dict[str, jax.Array] = {}
@@ -98,7 +99,7 @@ class Message(NamedTuple):
 
 
 class InitServerFn(Protocol):
-    def __call__(self, key: jax.Array) -> Any:
+    def __call__(self, key: jax.Array, /) -> Any:
         """The server's initial state.
 
         :param key: the server's key.
@@ -107,7 +108,7 @@ class InitServerFn(Protocol):
 
 
 class InitSiloFn(Protocol):
-    def __call__(self, key: jax.Array, data: SiloData) -> Any:
+    def __call__(self, key: jax.Array, data: SiloData, /) -> Any:
         """One silo's initial state, from its own data.
 
         :param key: the silo's key.
@@ -117,7 +118,7 @@ class InitSiloFn(Protocol):
 
 
 class MessageFn(Protocol):
-    def __call__(self, state: Any, key: jax.Array) -> Message:
+    def __call__(self, state: Any, key: jax.Array, /) -> Message:
         """What the server sends this round.
 
         :param state: the server state.
@@ -128,7 +129,7 @@ class MessageFn(Protocol):
 
 class SiloStepFn(Protocol):
     def __call__(
-        self, message: Message, state: Any, data: SiloData, key: jax.Array
+        self, message: Message, state: Any, data: SiloData, key: jax.Array, /
     ) -> tuple[Any, Any]:
         """The whole silo side of a round.
 
@@ -142,7 +143,7 @@ class SiloStepFn(Protocol):
 
 class ServerStepFn(Protocol):
     def __call__(
-        self, state: Any, replies: Any, key: jax.Array, participating: jax.Array
+        self, state: Any, replies: Any, key: jax.Array, participating: jax.Array, /
     ) -> tuple[Any, Any]:
         """The server's update from the silos' replies.
 
@@ -179,6 +180,7 @@ class ReduceSilosFn(Protocol):
         data: "SiloData",
         keys: jax.Array,
         contacted: jax.Array,
+        /,
     ) -> tuple[SummedReplies, Any]:
         """Every silo's ``silo_step`` at once, the replies summed over ``contacted``.
 
@@ -210,7 +212,7 @@ def reply_sum(replies: Any, used: jax.Array) -> Any:
 
 
 class SelectFn(Protocol):
-    def __call__(self, state: Any, key: jax.Array, num_silos: int) -> jax.Array:
+    def __call__(self, state: Any, key: jax.Array, num_silos: int, /) -> jax.Array:
         """Whom the server contacts this round.
 
         :param state: the server state.
@@ -256,7 +258,14 @@ def jit_algorithm(algorithm: FederatedAlgorithm) -> FederatedAlgorithm:
     select = algorithm.select
     if select is not select_all:
         select = jax.jit(select, static_argnums=2)
-    return FederatedAlgorithm(*(jax.jit(f) for f in algorithm[:5]), select)
+    return FederatedAlgorithm(
+        jax.jit(algorithm.init_server),
+        jax.jit(algorithm.init_silo),
+        jax.jit(algorithm.server_message),
+        jax.jit(algorithm.silo_step),
+        jax.jit(algorithm.server_step),
+        select,
+    )
 
 
 def vmap_silos(

@@ -150,8 +150,10 @@ def pvi(
     def silo_lik(values: dict, data: SiloData) -> jax.Array:
         """log p(y_m, z_m | u, theta) (or its robust-loss version) at site values."""
         mask = data.mask if padded else None
-        options = dict(observed_fn=observed_fn, nested=data.nested)
-        return silo_log_density(model, plate, data.arrays, mask, values, **options)
+        return silo_log_density(
+            model, plate, data.arrays, mask, values,
+            observed_fn=observed_fn, nested=data.nested,
+        )  # fmt: skip
 
     def silo_term(glob_u, eta_l_u, theta_u, key, data: SiloData):
         """One draw of log p(y_m, z_m | u) - log q(z_m | u) and the global draw."""
@@ -378,7 +380,12 @@ def pvi(
     local_step = make_step(False)
     prior_step = make_step(True)
     refine_prior = prior_of is None
-    prior_u = None if refine_prior else (lambda t: prior_of(constrain(theta_c, t)))
+
+    def prior_u(theta_u: dict) -> GaussianNat:
+        """The exact prior at unconstrained ``theta_u`` (only with ``prior_of``)."""
+        if prior_of is None:
+            raise ValueError("pvi: the prior is refined (prior_of=None), not exact")
+        return prior_of(constrain(theta_c, theta_u))
 
     # ---------------------------------------------------------------- the silo
     def optim_init(eta_local: dict) -> Any:

@@ -190,12 +190,12 @@ def sfvi(
         )
 
     def silo_step(message: Message, state: SFVISiloState, data: SiloData, keys):
-        message = message.broadcast
+        sent: SFVIServerMessage = message.broadcast
         elbo, (g_theta, g_eta_g, g_eta_l) = silo_grad(
-            message.theta,
-            message.eta_global,
+            sent.theta,
+            sent.eta_global,
             state.eta_local,
-            global_noise(message),
+            global_noise(sent),
             keys,
             data,
         )
@@ -207,11 +207,11 @@ def sfvi(
         # (theta, eta_G) then runs once, on the sum. A silo whose gradient or new
         # state is not finite is left out of the sum before it is taken (no
         # branch to recompute it: a branch costs a device sync on accelerators).
-        message = message.broadcast
+        sent: SFVIServerMessage = message.broadcast
         shared, pull_back = jax.vjp(
-            lambda t, e: shared_values(t, e, global_noise(message)),
-            message.theta,
-            message.eta_global,
+            lambda t, e: shared_values(t, e, global_noise(sent)),
+            sent.theta,
+            sent.eta_global,
         )
         each = jax.vmap(
             jax.value_and_grad(silo_value, argnums=(0, 1)), in_axes=(None, 0, 0, 0)
@@ -255,11 +255,12 @@ def sfvi(
             (silos.grad_theta, silos.grad_eta_global),
         )
         elbo = elbo0 + scale * silos.elbo
-        params, optim_state = ascent(
+        (theta, eta_global), optim_state = ascent(
             optimizer, grads, state.optim_state, (state.theta, state.eta_global)
         )
+        stepped = SFVIServerState(theta, eta_global, optim_state)
         # With no silo's term the gradient is the prior's alone: take no step.
-        new = tree_where(jnp.any(used), SFVIServerState(*params, optim_state), state)
+        new = tree_where(jnp.any(used), stepped, state)
         return new, SFVIInfo(-elbo, jnp.zeros_like(used))
 
     return guard_nonfinite(

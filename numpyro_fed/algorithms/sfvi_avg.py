@@ -178,10 +178,10 @@ def sfvi_avg(
     grad = jax.value_and_grad(particles_mean, argnums=(0, 1, 2))
 
     def silo_step(message: Message, state: SFVIAvgSiloState, data: SiloData, step_keys):
-        message = message.broadcast
+        sent: SFVIAvgServerMessage = message.broadcast
         global_opt = state.global_optim_state
         if reset_optimizer:
-            global_opt = optimizer.init((message.theta, message.eta_global))
+            global_opt = optimizer.init((sent.theta, sent.eta_global))
 
         def local_step(carry, keys):
             (theta, eta_g), eta_l, opt_g, opt_l = carry
@@ -193,7 +193,7 @@ def sfvi_avg(
             return (globals_, eta_l, opt_g, opt_l), elbo
 
         carry = (
-            (message.theta, message.eta_global),
+            (sent.theta, sent.eta_global),
             state.eta_local,
             global_opt,
             state.optim_state,

@@ -375,7 +375,7 @@ def vertical_sfvi(
         idx = b.idx
         hashed = None if idx is None else row_hash(idx)
         own = parties.index(party)
-        no_cross = ()
+        no_cross: CrossGrads | tuple[()] = ()
         if power:
             no_cross = CrossGrads(
                 jnp.zeros(z_shape), jax.tree.map(jnp.zeros_like, b.server_values)

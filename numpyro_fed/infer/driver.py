@@ -12,7 +12,7 @@ A subclass (``SFVI``, ``PVI``, ...) only says which factory to build
 
 from functools import partial
 import os
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 from jax import lax
@@ -175,6 +175,7 @@ class Driver:
         if layout not in self._built:
             self._setup(data)
             algorithm = self._make_algorithm(data)
+            round_fn: Callable
             if self.runtime == "simulate":
                 round_fn = jax.jit(partial(simulate_round, algorithm))
             elif self.runtime == "sharded":
@@ -457,7 +458,7 @@ class Driver:
         )
         self._check(state, data)
         step, step_fn, scans = self._run_fns(data, stable_update)
-        if resume:
+        if resume and saver is not None:  # resume implies a saver (checked above)
             everyone = jnp.ones((data.num_silos,), bool)  # shapes only
             record = jax.eval_shape(lambda s: step(s, everyone)[1], state)
             state, past, done = saver.load(state, record, num_steps)
@@ -472,6 +473,8 @@ class Driver:
         else:
             state, history = self._loop(step_fn, state, num_steps, progress_bar, saver)
         history = concat_rounds(past, history)
+        if history is None:  # num_steps >= 1 rounds either ran or were loaded
+            raise RuntimeError(f"{type(self).__name__}.run recorded no rounds.")
         result = RunResult(self.get_params(state), state, history["loss"], history)
         check_rejections(
             type(self).__name__,
@@ -566,8 +569,8 @@ class Driver:
                 if saver is not None and saver.next_stop(i - 1, num_steps) == i:
                     saver.save(state, _stack(records), i)
                 if progress_bar and i % batch == 0:
-                    recent = [r["loss"] for r in records[-batch:]]
-                    recent = np.asarray(jax.device_get(jnp.stack(recent)))
+                    losses = [r["loss"] for r in records[-batch:]]
+                    recent = np.asarray(jax.device_get(jnp.stack(losses)))
                     bar.set_postfix_str(
                         f"avg. loss [{i - len(recent) + 1}-{i}]: {recent.mean():.4f}",
                         refresh=False,

@@ -16,6 +16,8 @@ runs it as messages under the sequential runtime).
 2. *Distributed Stochastic Gradient MCMC*, S. Ahn, B. Shahbaba, M. Welling (ICML 2014).
 """
 
+import math
+import numbers
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -128,18 +130,14 @@ def _check_step_size(step_size: Any) -> Callable:
                 f"it is {float(h[bad[0]])}."
             )
         return step_size
-    if (
-        isinstance(step_size, bool)
-        or not np.isscalar(step_size)
-        or not np.isfinite(step_size)
-        or not step_size > 0
-    ):
+    real = isinstance(step_size, numbers.Real) and not isinstance(step_size, bool)
+    value = float(step_size) if real else math.nan  # numpy's scalars are Real
+    if not (math.isfinite(value) and value > 0):
         raise ValueError(
             "step_size must be a positive finite number or a callable t -> h_t, got "
             f"{step_size!r}."
         )
-    h = float(step_size)
-    return lambda t: jnp.asarray(h)
+    return lambda t: jnp.asarray(value)
 
 
 def _check_probs(silo_probs: Any, num_silos: int | None = None) -> np.ndarray | None:

@@ -189,9 +189,16 @@ class VerticalSFVI(Driver):
         self._trees: dict = {}
         self._held: dict = {}
 
+    @property
+    def _bound(self) -> VerticalStructure:
+        """The structure :meth:`setup` bound (an error before it)."""
+        if self.structure is None:
+            raise RuntimeError("VerticalSFVI has no model structure yet: call setup first.")
+        return self.structure
+
     # ------------------------------------------------------------ construction
     def _optims(self) -> dict:
-        owners = self.structure.parties + (SERVER,)
+        owners = self._bound.parties + (SERVER,)
         if not isinstance(self.optim, dict):
             return {o: self.optim for o in owners}
         missing = [o for o in owners if o not in self.optim]
@@ -264,7 +271,7 @@ class VerticalSFVI(Driver):
         return vertical_sfvi(
             self.model,
             self.family,
-            self.structure,
+            self._bound,
             self._optims_by_owner,
             data.view(SERVER),
             stl=self.stl,
@@ -286,11 +293,11 @@ class VerticalSFVI(Driver):
         return entry[2], entry[3]
 
     def _silo_groups(self) -> tuple:
-        parties = self.structure.parties
+        parties = self._bound.parties
         return tuple(tuple(parties.index(p) for p in g) for g in self.party_groups)
 
     def _round_fn(self, algorithm, groups: tuple) -> Callable:
-        phases = num_phases(self.structure.kind)
+        phases = num_phases(self._bound.kind)
         if self.runtime == "sequential":
             algorithm = self._recorded(jit_algorithm(algorithm))
 
@@ -325,7 +332,7 @@ class VerticalSFVI(Driver):
         """``algorithm`` whose party step logs what crosses the wire (sequential)."""
         if not self.record_messages:
             return algorithm
-        update = num_phases(self.structure.kind) - 1
+        update = num_phases(self._bound.kind) - 1
 
         def silo_step(message, state, data, key):
             reply, state = algorithm.silo_step(message, state, data, key)
@@ -351,7 +358,7 @@ class VerticalSFVI(Driver):
         """The parties the round runs together (one vmapped call per group of two or
         more; the rest one by one), set when a state is laid out (:meth:`init`)."""
         if self._groups is None:
-            return tuple((p,) for p in self.structure.parties)
+            return tuple((p,) for p in self._bound.parties)
         return tuple(g.parties for g in self._groups)
 
     def _renames(self, party: str) -> tuple[str, dict, dict]:
@@ -372,18 +379,18 @@ class VerticalSFVI(Driver):
         cached = self._built.get("data")
         if cached is None or cached[0] != key or cached[1] is not data:
             with jax.ensure_compile_time_eval():  # may be asked inside a trace
-                silos = [self._party_data(data, p) for p in self.structure.parties]
+                silos = [self._party_data(data, p) for p in self._bound.parties]
                 cached = (key, data, stack_groups(silos, self._silo_groups()))
             self._built["data"] = cached
         return cached[2]
 
     def _silo_spec(self, data: VerticalData) -> tuple:
-        own = [self._party_data(data, p, 1) for p in self.structure.parties]
+        own = [self._party_data(data, p, 1) for p in self._bound.parties]
         return tuple(jax.eval_shape(lambda: own))  # a deployed party: its own names
 
     def _round_keys(self, rng_key: jax.Array, num_silos: int):
         rng_key, k = jax.random.split(rng_key)
-        parties = self.structure.parties
+        parties = self._bound.parties
         keys = jnp.stack([jax.random.fold_in(k, name_key_data(p)) for p in parties])
         return rng_key, k, keys
 
@@ -391,18 +398,18 @@ class VerticalSFVI(Driver):
         """``(next key, this round's rows and keys)``, as the round derives them: the
         rows and every owner's key come from the round key, each owner's from its
         *name* (:func:`~numpyro_fed.algorithms.vertical_sfvi.name_key_data`)."""
-        rng_key, k, keys = self._round_keys(rng_key, len(self.structure.parties))
-        rows = self.structure.rows
+        rng_key, k, keys = self._round_keys(rng_key, len(self._bound.parties))
+        rows = self._bound.rows
         idx = None
         if rows is not None and rows[2] < rows[1]:
             idx = jax.random.choice(jax.random.fold_in(k, 0), rows[1], rows[2:], False)
         server_key = jax.random.fold_in(k, name_key_data(SERVER))
-        party_keys = dict(zip(self.structure.parties, keys, strict=True))
+        party_keys = dict(zip(self._bound.parties, keys, strict=True))
         return rng_key, RoundKeys(idx, server_key, party_keys)
 
     def _find_groups(self, parties: dict, data: VerticalData, rng_key) -> None:
         """Group the parties for the simulation runtime (see ``vmap_parties``)."""
-        names = self.structure.parties
+        names = self._bound.parties
         self._groups = None
         if not (self.vmap_parties and self.runtime == "simulate" and len(names) > 1):
             return
@@ -415,15 +422,15 @@ class VerticalSFVI(Driver):
                 (
                     id(self._optims_by_owner[p]),
                     float(self.model.rho_of(p)),
-                    self.structure.z_shape[p],
-                    self.structure.z_event_dim[p],
+                    self._bound.z_shape[p],
+                    self._bound.z_event_dim[p],
                 ),
             )
             for p in names
         }
         if len(set(sigs.values())) == len(names):
             return  # nothing to group: skip the probe
-        terms = vertical_terms(self.model, self.family, self.structure, {})
+        terms = vertical_terms(self.model, self.family, self._bound, {})
         groups = find_groups(
             terms.party_elbo,
             names,
@@ -450,13 +457,13 @@ class VerticalSFVI(Driver):
 
     def _laid(self, server: Any, parties: dict, rng_key: jax.Array) -> FederatedState:
         """The state of ``parties`` (each in its own layout) in the current groups."""
-        laid = lay_out(self.structure.parties, self._groups, parties)
+        laid = lay_out(self._bound.parties, self._groups, parties)
         return FederatedState(server, stack_groups(laid, self._silo_groups()), rng_key)
 
     def party_states(self, state: FederatedState) -> dict:
         """Party -> its party state in its own layout (as :meth:`state_of` takes)."""
         laid = unstack_groups(state.silos, self._silo_groups())
-        return own_layouts(self.structure.parties, laid, self._trees)
+        return own_layouts(self._bound.parties, laid, self._trees)
 
     def _own_states(self, key: jax.Array, data: VerticalData) -> tuple[Any, dict]:
         """``(server, party -> state)`` of :meth:`init`, each in its own layout."""
@@ -466,7 +473,7 @@ class VerticalSFVI(Driver):
         init_silo = jax.jit(algorithm.init_silo)
         parties = {  # each under its own names, not its group's
             p: init_silo(jax.random.fold_in(key, i + 1), self._party_data(data, p, 1))
-            for i, p in enumerate(self.structure.parties)
+            for i, p in enumerate(self._bound.parties)
         }
         return jax.jit(algorithm.init_server)(key), parties
 
@@ -476,7 +483,7 @@ class VerticalSFVI(Driver):
         self.setup(data)
         fix = "start from VerticalSFVI.init(key, data) on these data"
         silos = state.silos if isinstance(state, FederatedState) else None
-        groups = groups_from_slots(self.structure.parties, silos, self._held)
+        groups = groups_from_slots(self._bound.parties, silos, self._held)
         if groups is None:
             raise ValueError(
                 "VerticalSFVI: the state is not a run's state (result.state) over "
@@ -521,7 +528,7 @@ class VerticalSFVI(Driver):
         _, info = self.update_with_info(state, data)
         elbos = {
             SERVER: info.server_elbo,
-            **dict(zip(self.structure.parties, info.party_elbo, strict=True)),
+            **dict(zip(self._bound.parties, info.party_elbo, strict=True)),
         }
         bad = sorted(o for o, v in elbos.items() if not np.isfinite(float(v)))
         if bad:
@@ -549,7 +556,7 @@ class VerticalSFVI(Driver):
             return jax.block_until_ready(result)
 
     def _silo_labels(self) -> list:
-        return [f"party {p!r}" for p in self.structure.parties]
+        return [f"party {p!r}" for p in self._bound.parties]
 
     def get_params(self, state: FederatedState) -> VerticalParams:
         """The constrained parameters of ``state``, by owner."""

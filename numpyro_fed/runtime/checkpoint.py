@@ -141,7 +141,8 @@ def save_checkpoint(
         text = json.dumps(header, allow_nan=False)
     except (TypeError, ValueError) as e:
         raise ValueError(f"meta must be JSON-serialisable: {e}") from None
-    arrays = {f"leaf_{i}": x for i, x in enumerate(flat.values())}
+    # Any: numpy's stub would match a key named allow_pickle to that bool argument.
+    arrays: dict[str, Any] = {f"leaf_{i}": x for i, x in enumerate(flat.values())}
     arrays[_META] = np.frombuffer(text.encode(), np.uint8)
     final = _path(directory, step)
     fd, tmp = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=directory)

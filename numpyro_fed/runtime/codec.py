@@ -82,7 +82,8 @@ def decode(flat: dict, template: Any, *, source: str = "the input") -> Any:
             _check(value, data_like.shape, data_like.dtype, source, name)
             # The dtype carries the implementation (what jax.random.key_impl reads),
             # and a ShapeDtypeStruct template has no other way to give it.
-            out.append(jax.random.wrap_key_data(value, impl=like.dtype._impl))
+            key_data = jax.numpy.asarray(value)
+            out.append(jax.random.wrap_key_data(key_data, impl=like.dtype._impl))
             continue
         _check(value, np.shape(like), np.dtype(like.dtype), source, name)
         out.append(jax.numpy.asarray(value))

@@ -161,7 +161,7 @@ class RemoteServer:
         chosen = np.asarray(self.algorithm.select(state, server_key, num_silos))
         contacted = np.flatnonzero(chosen & np.asarray(available, bool))
         message = self.algorithm.server_message(state, server_key)
-        out = {int(j): _flat_message(message, j) for j in contacted}
+        out = {int(j): _flat_message(message, int(j)) for j in contacted}
         return out, (rng_key, server_key)
 
     def apply(
@@ -324,7 +324,7 @@ class RemoteSilo:
 
 
 def _unprefix(flat: dict, template: Any) -> Any:
-    parts = {"broadcast": {}, "routed": {}}
+    parts: dict[str, dict] = {"broadcast": {}, "routed": {}}
     for name, value in flat.items():
         part = "broadcast" if name.startswith("broadcast") else "routed"
         parts[part][name[len(part) :]] = value

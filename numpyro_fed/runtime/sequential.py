@@ -40,10 +40,10 @@ def sequential_round(
     :return: ``(server_state, silo_states, info)``.
     """
     num_silos = silo_data.mask.shape[0]
-    contacted = contacted_silos(
+    chosen = contacted_silos(
         algorithm, server_state, server_key, num_silos, participating
     )
-    contacted = np.ones(num_silos, bool) if contacted is None else np.asarray(contacted)
+    contacted = np.ones(num_silos, bool) if chosen is None else np.asarray(chosen)
     message = algorithm.server_message(server_state, server_key)
     replies, new_states, placeholder = [], [], None
     for j in range(num_silos):

@@ -58,7 +58,8 @@ def copy_name(party: str) -> str:
 
 
 def _is_likelihood(msg: dict) -> bool:
-    return msg["type"] == "sample" and msg.get("is_observed") and party_of(msg) is None
+    observed = msg["type"] == "sample" and bool(msg.get("is_observed"))
+    return observed and party_of(msg) is None
 
 
 def _event_dims(value: jax.Array) -> int:
@@ -125,8 +126,8 @@ class _Augment(Messenger):
                 f"Party {party!r} marks two contributions; a party contributes once "
                 "(sum its terms before calling nf.contribution)."
             )
-        for other, seen in self.contributions.items():
-            seen = tuple(jnp.shape(seen))
+        for other, value in self.contributions.items():
+            seen = tuple(jnp.shape(value))
             if seen[0] != shape[0]:
                 raise VerticalModelError(
                     f"Parties {other!r} and {party!r} have different row counts "

@@ -87,9 +87,16 @@ class VerticalFamily:
         self.structure = structure
         self.rho = dict(rho)
 
+    @property
+    def _bound(self) -> VerticalStructure:
+        """The structure :meth:`setup` bound (an error before it)."""
+        if self.structure is None:
+            raise RuntimeError("VerticalFamily has no model structure yet: call setup first.")
+        return self.structure
+
     # ------------------------------------------------------------------ sizes
     def _sites(self, owner: str) -> list:
-        return sorted(self.structure.latents[owner].items())
+        return sorted(self._bound.latents[owner].items())
 
     def dim(self, owner: str) -> int:
         """Size of the owner's flattened unconstrained latent vector."""
@@ -97,7 +104,7 @@ class VerticalFamily:
 
     def num_inputs(self) -> int:
         """Inputs of the amortization network per row: :math:`u` (and :math:`y`)."""
-        return 2 if self.structure.kind == "power" else 1
+        return 2 if self._bound.kind == "power" else 1
 
     # ------------------------------------------------------------------- init
     def init(self, owner: str, key: jax.Array, u: jax.Array | None = None) -> dict:
@@ -119,7 +126,7 @@ class VerticalFamily:
                 raw["tril"] = jnp.zeros((d, d))
         raw["param"] = {
             name: biject_to(spec.constraint).inv(spec.init)
-            for name, spec in self.structure.params[owner].items()
+            for name, spec in self._bound.params[owner].items()
         }
         if owner == SERVER:
             return raw
@@ -143,8 +150,8 @@ class VerticalFamily:
         return raw
 
     def _z_full_shape(self, party: str) -> tuple[int, tuple]:
-        shape = self.structure.z_shape[party]
-        rows = self.structure.rows
+        shape = self._bound.z_shape[party]
+        rows = self._bound.rows
         n = rows[1] if rows is not None else shape[0]
         return n, (n,) + tuple(shape[1:])
 
@@ -161,7 +168,7 @@ class VerticalFamily:
             else:
                 out["scale"] = scale
         out["param"] = {
-            name: biject_to(self.structure.params[owner][name].constraint)(v)
+            name: biject_to(self._bound.params[owner][name].constraint)(v)
             for name, v in raw["param"].items()
         }
         if "z_loc" in raw:

@@ -13,7 +13,7 @@ natively and through the lead's function at a random point, must agree; a party
 that fails the probe keeps its own function (the loop).
 """
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, overload
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +41,14 @@ class PartyGroup(NamedTuple):
     lead: str
     parties: tuple
     renames: dict
+
+
+@overload
+def rename(d: dict, mapping: dict) -> dict: ...
+
+
+@overload
+def rename(d: None, mapping: dict) -> None: ...
 
 
 def rename(d: dict | None, mapping: dict) -> dict | None:
@@ -113,7 +121,8 @@ def find_groups(
         same = (
             _probe(party_elbo, lead, rest, held, views, raws, key, idx) if rest else {}
         )
-        ok, renames = [lead], {lead: ({}, {})}
+        ok = [lead]
+        renames: dict = {lead: ({}, {})}
         for p in rest:
             if same[p] is None:
                 groups.append(PartyGroup(p, (p,), {p: ({}, {})}))
@@ -157,17 +166,18 @@ def groups_from_slots(
     taken = {j for m in leads if m[0] is not None for j in m}
     alone = iter(j for j in range(num) if j not in taken)
     groups = []
-    for members in leads:
-        if members[0] is None:
-            members = [next(alone, None)]
-            if members[0] is None:
-                return None
-        lead = parties[members[0]]
-        renames = {lead: ({}, {})}
+    for found in leads:
+        # [None]: a stacked group of one, whose party is the next one left alone
+        first = found[0] if found[0] is not None else next(alone, None)
+        if first is None:
+            return None
+        slots: list[int] = [first, *found[1:]]
+        lead = parties[first]
+        renames: dict = {lead: ({}, {})}
         renames.update(
-            {parties[j]: _renaming(parties[j], lead, held) for j in members[1:]}
+            {parties[j]: _renaming(parties[j], lead, held) for j in slots[1:]}
         )
-        groups.append(PartyGroup(lead, tuple(parties[j] for j in members), renames))
+        groups.append(PartyGroup(lead, tuple(parties[j] for j in slots), renames))
     if next(alone, None) is not None or [g.lead for g in groups] != sorted(
         g.lead for g in groups
     ):
