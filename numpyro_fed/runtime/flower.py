@@ -34,7 +34,7 @@ import logging
 import os
 import secrets
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, TypeVar
 import warnings
 import zlib
 
@@ -82,6 +82,27 @@ def _to_record(flat: dict) -> ArrayRecord:
 
 def _from_record(record: ArrayRecord) -> dict:
     return {name: array.numpy() for name, array in record.items()}
+
+
+_R = TypeVar("_R", ArrayRecord, ConfigRecord)
+
+
+def _record(records: RecordDict, key: str, kind: type[_R]) -> _R:
+    """``records[key]``, checked to be a ``kind`` (a message's or the node state's)."""
+    record = records[key]
+    if not isinstance(record, kind):
+        raise TypeError(
+            f"record {key!r} is a {type(record).__name__}, not a {kind.__name__}."
+        )
+    return record
+
+
+def _int(record: ConfigRecord, field: str) -> int:
+    """An integer field of a config record."""
+    value = record[field]
+    if not isinstance(value, int):
+        raise TypeError(f"config field {field!r} is {value!r}, not an integer.")
+    return value
 
 
 class FlowerRun(NamedTuple):
@@ -158,7 +179,10 @@ def serve(
     num_silos = federation.num_silos
     every = _check_checkpointing(checkpoint_every, checkpoint_dir, resume)
     meta = {"fit": name, "num_silos": num_silos}
-    if every is not None and not resume and checkpoint_steps(checkpoint_dir):
+    # _check_checkpointing refuses checkpoint_every or resume without a directory,
+    # so the tests of checkpoint_dir below only narrow its type.
+    fresh = every is not None and not resume
+    if fresh and checkpoint_dir is not None and checkpoint_steps(checkpoint_dir):
         raise CheckpointError(
             f"{checkpoint_dir} already holds checkpoints: resume=True continues "
             "that run; a new run needs an empty directory."
@@ -166,12 +190,14 @@ def serve(
     nodes = _find_silos(grid, name, num_silos, node_timeout, {})
     state, key = server.init(key)
     start = 0
-    if resume:
+    if resume and checkpoint_dir is not None:
         saved, start, _ = load_checkpoint(
             checkpoint_dir, {"server": state, "rng_key": key}, expect_meta=meta
         )
         state, key = saved["server"], saved["rng_key"]
-    infos, contacted, missing = [], [], []
+    infos: list = []
+    contacted: list = []
+    missing: list[dict] = []
     for t in range(start, num_rounds):
         nodes = _find_silos(grid, name, num_silos, 0.0, nodes)
         available = np.zeros(num_silos, bool)
@@ -197,7 +223,7 @@ def serve(
         _warn_rejected(t, rejected, nodes)
         infos.append(info)
         contacted.append(contacted_t)
-        if every is not None and (t + 1) % every == 0:
+        if checkpoint_dir is not None and every is not None and (t + 1) % every == 0:
             state_and_key = {"server": state, "rng_key": key}
             save_checkpoint(checkpoint_dir, state_and_key, step=t + 1, meta=meta)
         if on_round is not None:
@@ -276,7 +302,7 @@ def _find_silos(
                         "node %s did not say its silo: %s", node, reply.error.reason
                     )
                     continue
-                silo = int(reply.content[CONFIG]["silo"])
+                silo = _int(_record(reply.content, CONFIG, ConfigRecord), "silo")
                 if not 0 <= silo < num_silos:
                     raise ValueError(
                         f"node {node} serves silo {silo} of fit {name!r}, outside "
@@ -298,10 +324,10 @@ def _exchange(
 ) -> dict[int, dict]:
     round_index = config["round"]
     silo_of = {node: j for j, node in nodes.items()}
-    config = ConfigRecord(config)
+    record = ConfigRecord(config)
     messages = [
         Message(
-            RecordDict({CONTENT: _to_record(message), CONFIG: config}),
+            RecordDict({CONTENT: _to_record(message), CONFIG: record}),
             dst_node_id=nodes[j],
             message_type="train",
         )
@@ -322,7 +348,7 @@ def _exchange(
                 reply.error.reason,
             )
             continue
-        replies[j] = _from_record(reply.content[CONTENT])
+        replies[j] = _from_record(_record(reply.content, CONTENT, ArrayRecord))
     missing = sorted(set(flat) - set(replies))
     if missing:
         logger.warning(
@@ -426,28 +452,30 @@ def client_app(
 
     @app.query()
     def query(message: Message, context: Context) -> Message:
-        index, _ = silo_of(context, str(message.content[CONFIG]["name"]))
+        asked = _record(message.content, CONFIG, ConfigRecord)
+        index, _ = silo_of(context, str(asked["name"]))
         reply = RecordDict({CONFIG: ConfigRecord({"silo": index})})
         return Message(reply, reply_to=message)
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
-        config = message.content[CONFIG]
-        name = str(config["name"])
+        received = _record(message.content, CONFIG, ConfigRecord)
+        name = str(received["name"])
         _, silo = silo_of(context, name)
-        config = {k: int(config[k]) for k in ("round", "start", "every")}
+        config = {k: _int(received, k) for k in ("round", "start", "every")}
         t, start, every = config["round"], config["start"], config["every"]
         directory = None
         if checkpoint_dir is not None:  # one directory per fit
             directory = os.path.join(checkpoint_dir(context), name)
         state, done = _silo_state(context, silo, name, config, directory)
-        if directory is not None and every:
+        if directory is not None and every and state is not None:
             # This state is the silo's as of every checkpoint round from `done` to
             # t: the server may resume from any of them (the newest two kept).
             rounds = [b for b in range(max(done, 1), t + 1) if b % every == 0][-2:]
             for b in rounds:
                 _save_silo(directory, silo, state, b, context)
-        reply, state = silo.step(_from_record(message.content[CONTENT]), state, t)
+        content = _from_record(_record(message.content, CONTENT, ArrayRecord))
+        reply, state = silo.step(content, state, t)
         context.state[f"{name}/{STATE}"] = _to_record(state)
         context.state[f"{name}/{DONE}"] = ConfigRecord(
             {"rounds": t + 1, "start": start}
@@ -470,9 +498,10 @@ def _silo_state(
     newest checkpoint of this run, or of round ``start`` in a resumed run; without
     any, the silo had not stepped by then and starts fresh."""
     start = config["start"]
-    state, done = (context.state.get(f"{name}/{k}") for k in (STATE, DONE))
-    if state is not None:
-        rounds, served = int(done["rounds"]), int(done["start"])
+    if f"{name}/{STATE}" in context.state:
+        state = _record(context.state, f"{name}/{STATE}", ArrayRecord)
+        done = _record(context.state, f"{name}/{DONE}", ConfigRecord)
+        rounds, served = _int(done, "rounds"), _int(done, "start")
         if served == start or rounds <= start:
             return _from_record(state), rounds
         if directory is None:
@@ -481,7 +510,9 @@ def _silo_state(
                 "node's silo state has moved past, and the node has no "
                 "checkpoint_dir to go back with."
             )
-    steps = [] if directory is None else checkpoint_steps(directory)
+    if directory is None:
+        return None, 0
+    steps = checkpoint_steps(directory)
     if start > 0:
         if start not in steps:
             if any(step <= start for step in steps):
@@ -490,7 +521,7 @@ def _silo_state(
                     f"node has no checkpoint of it (it has rounds {steps})."
                 )
             return None, 0
-        meta = {"fit": name}
+        meta: dict[str, Any] = {"fit": name}
     else:
         if not steps:
             return None, 0
@@ -516,11 +547,10 @@ def _save_silo(directory: str, silo: RemoteSilo, state: dict, step: int, context
 def _root(context: Context, root_key: Callable | None, name: str) -> jax.Array:
     if root_key is not None:
         return jax.random.fold_in(root_key(context), _name_data(name))
-    stored = context.state.get(ROOT)
-    if stored is None:
-        stored = ConfigRecord({"seed": secrets.randbits(63)})
-        context.state[ROOT] = stored
-    return jax.random.fold_in(jax.random.key(int(stored["seed"])), _name_data(name))
+    if ROOT not in context.state:
+        context.state[ROOT] = ConfigRecord({"seed": secrets.randbits(63)})
+    seed = _int(_record(context.state, ROOT, ConfigRecord), "seed")
+    return jax.random.fold_in(jax.random.key(seed), _name_data(name))
 
 
 def _name_data(name: str) -> int:
