@@ -238,3 +238,33 @@ def test_format_compare():
     ]
     assert lines[1].split()[0] == "mu"
     assert lines[1].split()[1] == f"{round(draws['mu'].mean(), 2)}"
+
+
+def _correlated(rho, n, seed):
+    z = np.random.default_rng(seed).normal(size=(n, 2))
+    return {"a": z[:, 0], "b": rho * z[:, 0] + np.sqrt(1 - rho**2) * z[:, 1]}
+
+
+def test_compare_joint_sinkhorn_zero_shift_and_correlation():
+    pytest.importorskip("ott")
+    draws = _correlated(0.9, 1000, 0)
+    same = nf.compare(draws, draws, joint=True)
+    assert abs(same.attrs["sinkhorn_divergence"]) < 1e-4
+    # A shift of one reference sd in one coordinate: about 1 (the squared W2).
+    shifted = {"a": draws["a"] + draws["a"].std(ddof=1), "b": draws["b"]}
+    one = nf.compare(shifted, draws, joint=True).attrs["sinkhorn_divergence"]
+    assert one == pytest.approx(1.0, abs=0.05)
+    two = {"a": draws["a"] + 2 * draws["a"].std(ddof=1), "b": draws["b"]}
+    assert nf.compare(two, draws, joint=True).attrs["sinkhorn_divergence"] > 3.5
+    # The sign of the correlation flipped: every marginal agrees, the joint does not.
+    flipped = {"a": draws["a"], "b": -draws["b"]}
+    table = nf.compare(flipped, draws, joint=True)
+    assert table.attrs["max_w2"] < 0.1
+    assert table.attrs["sinkhorn_divergence"] > 1.0
+    assert "sinkhorn_divergence" not in nf.compare(flipped, draws).attrs
+
+
+def test_compare_joint_needs_draws_on_both_sides():
+    draws = {"mu": np.random.default_rng(0).normal(size=100)}
+    with pytest.raises(ValueError, match="site 'mu' on both sides"):
+        nf.compare(draws, {"mu": dist.Normal(0.0, 1.0)}, joint=True)
