@@ -46,9 +46,15 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
+# Build the wheel, install it in a fresh venv (from the index) and run the quickstart.
+.PHONY: wheel-check
+wheel-check:
+	bash scripts/check-wheel.sh
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check numpyro_fed tests examples benchmarks
+	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
 	find . -path ./.git -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +
