@@ -49,6 +49,13 @@ class SiteSpec(NamedTuple):
     event_dim: int
     plates: tuple = ()
 
+    @property
+    def local_axis(self) -> int:
+        """``unit_axis`` of a local site (an error for a global one)."""
+        if self.unit_axis is None:
+            raise ValueError(f"Site {self.name!r} is global: it has no unit axis.")
+        return self.unit_axis
+
 
 class ModelRoles(NamedTuple):
     """Roles of the sites of a federated model.
