@@ -203,9 +203,7 @@ def real_entries(
     """
     parts: list[tuple[int, jax.Array]] = []
     if mask is not None:
-        if spec.unit_axis is None:
-            raise ValueError(f"Site {spec.name!r} is global: it has no units to mask.")
-        parts.append((spec.unit_axis, mask))
+        parts.append((spec.local_axis, mask))
     for plate, axis in spec.plates:
         if nested and plate in nested:
             parts.append((axis, jnp.arange(shape[axis]) < nested[plate]))
