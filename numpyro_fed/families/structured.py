@@ -174,7 +174,7 @@ class AutoGlobalLocalNormal:
         :param FederatedData data: the federated data set.
         :raises ValueError: naming the sites that differ.
         """
-        self._require_setup()
+        own = self._require_setup()
         if model is self.model:
             return
         roles = analyze(model, data, *args, **kwargs)
@@ -192,12 +192,12 @@ class AutoGlobalLocalNormal:
                 if signature(specs[n]) != signature(mine[n])
             }
         )
-        if differ or roles.silo_plate != self.roles.silo_plate:
+        if differ or roles.silo_plate != own.silo_plate:
             raise ValueError(
                 "The guide was built for another model: latent sites "
                 f"{differ} differ (the model has {sorted(specs)} in silo plate "
                 f"{roles.silo_plate!r}, the guide {sorted(mine)} in "
-                f"{self.roles.silo_plate!r}). Build it from the model you fit, e.g. "
+                f"{own.silo_plate!r}). Build it from the model you fit, e.g. "
                 "nf.AutoGlobalLocalNormal(model)."
             )
 
@@ -219,16 +219,17 @@ class AutoGlobalLocalNormal:
     def local_dim(self) -> int:
         """:math:`n_L`, unconstrained local coordinates per unit of the silo plate."""
         return sum(
-            int(np.prod(s.unconstrained_shape)) // s.unconstrained_shape[s.unit_axis]
+            int(np.prod(s.unconstrained_shape)) // s.unconstrained_shape[s.local_axis]
             for s in self.local_specs.values()
         )
 
-    def _require_setup(self) -> None:
+    def _require_setup(self) -> ModelRoles:
         if self.roles is None:
             raise RuntimeError(
                 "The guide is not set up: call guide.setup(data) or pass it to a "
                 "numpyro_fed algorithm's init first."
             )
+        return self.roles
 
     # --------------------------------------------------------------- parameters
     def theta_constraints(self) -> dict:
@@ -305,7 +306,7 @@ class AutoGlobalLocalNormal:
     def _pack_local(self, values: dict) -> jax.Array:
         flat = []
         for n, s in self.local_specs.items():
-            u = jnp.moveaxis(biject_to(s.support).inv(values[n]), s.unit_axis, 0)
+            u = jnp.moveaxis(biject_to(s.support).inv(values[n]), s.local_axis, 0)
             flat.append(u.reshape(u.shape[0], -1))
         return jnp.concatenate(flat, axis=-1)
 
@@ -331,18 +332,18 @@ class AutoGlobalLocalNormal:
         values, log_det, start = {}, jnp.zeros((units,), z.dtype), 0
         for n, s in self.local_specs.items():
             shape = list(s.unconstrained_shape)
-            shape.pop(s.unit_axis)
+            shape.pop(s.local_axis)
             size = int(np.prod(shape))
             u = jnp.moveaxis(
-                z[:, start : start + size].reshape((units, *shape)), 0, s.unit_axis
+                z[:, start : start + size].reshape((units, *shape)), 0, s.local_axis
             )
             keep = None
             if mask is not None:
                 keep = mask[:, start : start + size].reshape((units, *shape))
-                keep = jnp.moveaxis(keep, 0, s.unit_axis)
+                keep = jnp.moveaxis(keep, 0, s.local_axis)
             start += size
             values[n], ld = constrain_site(s.support, u, keep)
-            ld = jnp.moveaxis(ld, s.unit_axis, 0)
+            ld = jnp.moveaxis(ld, s.local_axis, 0)
             log_det = log_det + ld.reshape(units, -1).sum(-1)
         return values, log_det
 
@@ -357,10 +358,10 @@ class AutoGlobalLocalNormal:
         blocks = []
         for s in specs:
             shape = list(s.unconstrained_shape)
-            shape[s.unit_axis] = units
+            shape[s.local_axis] = units
             keep = real_entries(s, tuple(shape), None, nested)
             keep = jnp.ones(shape, bool) if keep is None else keep
-            blocks.append(jnp.moveaxis(keep, s.unit_axis, 0).reshape(units, -1))
+            blocks.append(jnp.moveaxis(keep, s.local_axis, 0).reshape(units, -1))
         return jnp.concatenate(blocks, axis=-1)
 
     def restrict_local(self, eta_l: dict, mask: jax.Array | None) -> dict:
@@ -483,7 +484,8 @@ class AutoGlobalLocalNormal:
             numpyro.sample(name, dist.Delta(values[name], event_dim=spec.event_dim))
         if self.local_specs:
             units = self.num_units(eta_l)
-            with numpyro.plate(self.roles.silo_plate, units, dim=self.roles.silo_dim):
+            own = self._require_setup()
+            with numpyro.plate(own.silo_plate, units, dim=own.silo_dim):
                 for name, spec in self.local_specs.items():
                     delta = dist.Delta(values[name], event_dim=spec.event_dim)
                     numpyro.sample(name, delta)
