@@ -126,8 +126,8 @@ class _Augment(Messenger):
                 f"Party {party!r} marks two contributions; a party contributes once "
                 "(sum its terms before calling nf.contribution)."
             )
-        for other, value in self.contributions.items():
-            seen = tuple(jnp.shape(value))
+        for other, earlier in self.contributions.items():
+            seen = tuple(jnp.shape(earlier))
             if seen[0] != shape[0]:
                 raise VerticalModelError(
                     f"Parties {other!r} and {party!r} have different row counts "
