@@ -113,7 +113,11 @@ def check_finite_array(name: str, value: Any, where: str) -> None:
         return
     bad = ~np.isfinite(x)
     if bad.any():
-        rows = np.flatnonzero(bad.reshape(len(x), -1).any(1)) if x.ndim else np.zeros(0, np.intp)
+        rows = (
+            np.flatnonzero(bad.reshape(len(x), -1).any(1))
+            if x.ndim
+            else np.zeros(0, np.intp)
+        )
         at = f" (first at row {int(rows[0])})" if len(rows) else ""
         raise ValueError(
             f"Array {name!r} of {where} has {int(bad.sum())} non-finite (NaN or inf) "
