@@ -12,14 +12,11 @@ A subclass (``SFVI``, ``PVI``, ...) only says which factory to build
 
 from functools import partial
 import os
-from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import jax
 from jax import lax
 import jax.numpy as jnp
-import numpy as np
-from tqdm.auto import trange
 
 from numpyro_fed.checks import (
     check_count,
@@ -28,6 +25,7 @@ from numpyro_fed.checks import (
     check_runtime_options,
 )
 from numpyro_fed.guard import check_rejections
+from numpyro_fed.infer.rounds import Plateau, check_plateau, run_rounds
 from numpyro_fed.protocol import FederatedAlgorithm, jit_algorithm, silo_data_of
 from numpyro_fed.runtime import (
     event_round,
@@ -41,7 +39,7 @@ from numpyro_fed.runtime.accounting import RoundBytes, bytes_history, silo_bytes
 from numpyro_fed.runtime.checkpoint import RunCheckpoints, concat_rounds
 from numpyro_fed.runtime.remote import Federation
 from numpyro_fed.runtime.simulate import contacted_silos, init_states
-from numpyro_fed.util import all_finite, stack, take, tree_where
+from numpyro_fed.util import all_finite, take, tree_where
 
 __all__ = ["Driver", "FederatedState", "RunResult"]
 
@@ -384,6 +382,7 @@ class Driver:
         checkpoint_every: int | None = None,
         checkpoint_dir: str | os.PathLike | None = None,
         resume: bool = False,
+        stop: Plateau | None = None,
     ) -> RunResult:
         """
         Run ``num_steps`` rounds: inside ``lax.scan`` without a progress bar,
@@ -415,6 +414,9 @@ class Driver:
             resume needs it empty (or new).
         :param bool resume: continue from the newest checkpoint in
             ``checkpoint_dir``.
+        :param Plateau stop: end the run early once the loss stops moving
+            (:class:`~numpyro_fed.infer.rounds.Plateau`); ``num_steps`` is then
+            the budget.
         :return: :class:`RunResult`, with the history of all ``num_steps`` rounds.
 
         **Example:**
@@ -460,16 +462,21 @@ class Driver:
             everyone = jnp.ones((data.num_silos,), bool)  # shapes only
             record = jax.eval_shape(lambda s: step(s, everyone)[1], state)
             state, past, done = saver.load(state, record, num_steps)
-        if done == num_steps:
-            history = None  # all rounds are in the checkpoint's history
-        elif (
-            not progress_bar
-            and self.runtime != "sequential"
-            and num_steps >= self.min_scan_steps
-        ):
-            state, history = self._scan(scans, state, done, num_steps, saver)
-        else:
-            state, history = self._loop(step_fn, state, num_steps, progress_bar, saver)
+        scan = not progress_bar and self.runtime != "sequential"
+        state, history = run_rounds(
+            step_fn,
+            scans,
+            state,
+            done=done,
+            num_steps=num_steps,
+            scan=scan and num_steps >= self.min_scan_steps,
+            progress_bar=progress_bar,
+            saver=saver,
+            check=self._check_info,
+            stop=check_plateau(stop),
+            past=past,
+            description=self.description,
+        )
         history = concat_rounds(past, history)
         sizes = self._wire_bytes(data, state)
         history.update(bytes_history(history["contacted"], sizes, self.exchanges))
@@ -547,46 +554,6 @@ class Driver:
 
         self._built["run"] = (data, options, (step, step_fn, scans))
         return step, step_fn, scans
-
-    def _scan(self, scans, state, done: int, num_steps: int, saver):
-        """Rounds ``done + 1 .. num_steps`` in ``lax.scan`` chunks that end at the
-        checkpoints and at ``num_steps`` (one chunk without checkpoints)."""
-        chunks = []
-        start = done
-        while start < num_steps:
-            stop = num_steps if saver is None else saver.next_stop(start, num_steps)
-            before = state
-            state, history = scans(stop - start)(state)
-            self._check_info(before, SimpleNamespace(**history))
-            chunks.append(history)
-            if saver is not None:
-                saver.save(state, concat_rounds(*chunks), stop)
-            start = stop
-        return state, concat_rounds(*chunks)
-
-    def _loop(self, step_fn, state, num_steps: int, progress_bar: bool, saver=None):
-        """One jitted round at a time (after the rounds ``saver`` resumed from)."""
-        records = []
-        done = 0 if saver is None else saver.done
-        batch = max(num_steps // 20, 1)
-        with trange(
-            done + 1, num_steps + 1, desc=self.description, disable=not progress_bar
-        ) as bar:
-            for i in bar:
-                before = state
-                state, record = step_fn(state)
-                self._check_info(before, SimpleNamespace(**record))
-                records.append(record)
-                if saver is not None and saver.next_stop(i - 1, num_steps) == i:
-                    saver.save(state, stack(records), i)
-                if progress_bar and i % batch == 0:
-                    recent = [r["loss"] for r in records[-batch:]]
-                    recent = np.asarray(jax.device_get(jnp.stack(recent)))
-                    bar.set_postfix_str(
-                        f"avg. loss [{i - len(recent) + 1}-{i}]: {recent.mean():.4f}",
-                        refresh=False,
-                    )
-        return state, stack(records)
 
 
 def _keep_if_finite(new: FederatedState, old: FederatedState, loss) -> FederatedState:

@@ -393,7 +393,9 @@ class PVI(Driver):
         """:meth:`Driver.run <numpyro_fed.infer.driver.Driver.run>` (``num_steps``
         rounds), warning when the server had to shrink updates to keep q valid."""
         result = super().run(rng_key, num_steps, data, **kwargs)
-        scale = np.asarray(result.history["scale"]).reshape(num_steps, -1).min(1)
+        scale = (
+            np.asarray(result.history["scale"]).reshape(len(result.losses), -1).min(1)
+        )
         shrunk = int(np.sum(scale < 1))
         if shrunk:
             warnings.warn(
