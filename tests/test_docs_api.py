@@ -83,7 +83,9 @@ def test_excluded_members_are_documented_at_the_top():
     objects, _, excluded = documented(api_pages())
     for name in excluded:
         short = name.rsplit(".", 1)[1]
-        assert f"numpyro_fed.{short}" in objects, f"{name} is excluded and documented nowhere"
+        assert f"numpyro_fed.{short}" in objects, (
+            f"{name} is excluded and documented nowhere"
+        )
 
 
 def test_every_directive_names_an_existing_object():
