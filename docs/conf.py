@@ -70,9 +70,20 @@ nb_merge_streams = True
 # signatures without the type hints (they are in the docstrings).
 autodoc_member_order = "bysource"
 autodoc_typehints = "none"
-autodoc_default_options = {"members": True, "show-inheritance": False}
+autodoc_default_options = {"members": True}
 
-doctest_global_setup = "import jax, jax.numpy as jnp, numpyro, numpyro_fed as nf"
+
+def _skip_namedtuple_fields(app, what, name, obj, skip, options):
+    # The class docstring lists a NamedTuple's fields ("- **field** - meaning");
+    # the generated "Alias for field number k" entries would repeat them, emptier.
+    if (getattr(obj, "__doc__", None) or "").startswith("Alias for field number"):
+        return True
+    return None
+
+
+def setup(app):
+    app.connect("autodoc-skip-member", _skip_namedtuple_fields)
+
 
 html_theme = "furo"
 html_title = f"numpyro-fed {release}"
