@@ -48,9 +48,9 @@ bench: $(STAMP)
 
 # The site (docs/_build/html): warnings are errors, every tutorial is executed (on the
 # CPU; outputs are cached in docs/_build/.jupyter_cache, so a rebuild runs only the
-# changed pages).
+# changed pages). -j auto reads, and so executes, pages in parallel.
 docs: $(STAMP)
-	$(PY) -m sphinx -W --keep-going -b html docs docs/_build/html
+	$(PY) -m sphinx -W --keep-going -j auto -b html docs docs/_build/html
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check numpyro_fed tests examples benchmarks
