@@ -47,6 +47,20 @@ def test_blocks_are_found():
     assert python_blocks(text) == [(3, "x = 1\n"), (10, "y = 2\n")]
 
 
+def test_every_block_is_run_or_says_why_not():
+    # A block fenced ```py or ```python3 would escape the check below: only these info
+    # strings are allowed, and only "python" runs.
+    allowed = {"python", "text", "bash", "toml", "{toctree}"}
+    for page in PAGES:
+        opening = re.findall(
+            r"^`{3,}(\S*)[^\n]*\n.*?^`{3,}[ \t]*$", page.read_text(), re.M | re.S
+        )
+        odd = sorted(set(opening) - allowed)
+        assert not odd, (
+            f"{page.relative_to(ROOT)}: code fences {odd}; use one of {sorted(allowed)}"
+        )
+
+
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_page_blocks_run(page: Path, tmp_path: Path):
     blocks = python_blocks(page.read_text())
