@@ -46,9 +46,10 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
-# The site (docs/_build/html): warnings are errors, every tutorial is executed (on the
-# CPU; outputs are cached in docs/_build/.jupyter_cache, so a rebuild runs only the
-# changed pages). -j auto reads, and so executes, pages in parallel.
+# The site (docs/_build/html): warnings are errors, every tutorial is executed on the
+# CPU. Outputs are cached in docs/_build/.jupyter_cache by page text, so a rebuild
+# re-runs only the pages that changed: after a library change, rm -rf docs/_build to
+# re-run them all (a fresh clone always does). -j auto executes pages in parallel.
 docs: $(STAMP)
 	$(PY) -m sphinx -W --keep-going -j auto -b html docs docs/_build/html
 
