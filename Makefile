@@ -52,6 +52,7 @@ bench: $(STAMP)
 # re-run them all (a fresh clone always does). -j auto executes pages in parallel.
 docs: $(STAMP)
 	$(PY) -m sphinx -W --keep-going -j auto -b html docs docs/_build/html
+	$(PY) -m pytest -q -n 2 -m docs tests/test_doc_snippets.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check numpyro_fed tests examples benchmarks

@@ -13,6 +13,9 @@ import sys
 
 import pytest
 
+# Run by `make docs` (with the site build), not by the default test run.
+pytestmark = pytest.mark.docs
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
