@@ -15,7 +15,7 @@ from tqdm.auto import trange
 from numpyro_fed.runtime.checkpoint import concat_rounds
 from numpyro_fed.util import stack
 
-__all__ = ["Plateau", "run_rounds"]
+__all__ = ["Plateau", "loss_drift", "run_rounds"]
 
 
 class Plateau(NamedTuple):
@@ -70,6 +70,38 @@ class Plateau(NamedTuple):
         change = abs(last.mean() - before.mean())
         noise = np.sqrt((before.var(ddof=1) + last.var(ddof=1)) / w)
         return bool(change <= max(self.rtol * abs(last.mean()), noise))
+
+
+def loss_drift(losses: Any, window: int) -> tuple[float, float]:
+    """
+    ``(rise, z)``: how far the mean loss of the last ``window`` rounds sits above the
+    best (lowest) mean of the earlier whole windows, and that rise in standard
+    errors of the difference (``inf`` for a noise-free rise; ``(0, 0)`` when the
+    last window is not above, or there are fewer than three windows).
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import numpy as np
+        >>> from numpyro_fed.infer.rounds import loss_drift
+        >>> loss_drift(np.r_[np.full(20, 1.0), np.full(10, 3.0)], 10)
+        (2.0, inf)
+    """
+    losses = np.asarray(losses, np.float64)
+    k = len(losses) // window
+    if k < 3:
+        return 0.0, 0.0
+    windows = losses[len(losses) - k * window :].reshape(k, window)
+    if not np.all(np.isfinite(windows)):
+        return 0.0, 0.0
+    means = windows.mean(1)
+    best = int(np.argmin(means[:-1]))
+    rise = float(means[-1] - means[best])
+    if rise <= 0:
+        return 0.0, 0.0
+    se = np.sqrt((windows[best].var(ddof=1) + windows[-1].var(ddof=1)) / window)
+    return rise, float(rise / se) if se > 0 else float("inf")
 
 
 def check_plateau(stop: Any) -> Plateau | None:

@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed.infer.rounds import Plateau
+from numpyro_fed.infer.rounds import Plateau, loss_drift
 from tests.infer.test_driver import ALGORITHMS, _logistic
 
 
@@ -68,3 +68,26 @@ def test_bad_rule_is_named():
         svi.run(jax.random.key(0), 10, data, stop=0.01)
     with pytest.raises(ValueError, match="window"):
         svi.run(jax.random.key(0), 10, data, stop=Plateau(window=1))
+
+
+def test_drift_flags_a_rise_beyond_the_noise_only():
+    rng = np.random.default_rng(3)
+    noise = rng.normal(0.0, 1.0, 100)
+    falling = np.linspace(200.0, 100.0, 100) + noise
+    assert loss_drift(falling, 10) == (0.0, 0.0)
+    flat = 100.0 + noise
+    assert loss_drift(flat, 10)[1] < 4  # the best of 9 noisy windows is not a drift
+    rising = np.r_[falling, 100.0 + np.linspace(0, 20, 50) + rng.normal(0, 1, 50)]
+    rise, z = loss_drift(rising, 10)
+    assert 15 < rise < 21 and z > 20
+
+
+def test_exact_pvi_run_does_not_warn_of_drift():
+    """The natural solver on a logistic regression converges: no false alarm."""
+    import warnings
+
+    fed, data = _logistic(3)
+    pvi = nf.PVI(fed, schedule="sequential")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pvi.run(jax.random.key(0), 30, data, progress_bar=False)
