@@ -11,7 +11,7 @@ export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_DISABLE_UPDATE_CHECK := 1
 
 .DELETE_ON_ERROR:
-.PHONY: venv install test test-slow demo bench lint clean
+.PHONY: venv install test test-slow demo bench lint docs clean
 
 # Create the virtual environment. A leftover .venv whose python no longer runs (or is
 # older than 3.12) is rebuilt from scratch.
@@ -21,12 +21,12 @@ $(PY):
 	rm -rf $(VENV); \
 	"$$interp" -m venv $(VENV) || { rm -rf $(VENV); exit 1; }
 
-# Install the package and its dev/examples extras; redone when pyproject.toml changes.
+# Install the package with its extras; redone when pyproject.toml changes.
 $(STAMP): $(PY) pyproject.toml
 	@$(PY) -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null || { \
 	  echo "$(VENV) does not run Python >= 3.12; run 'make clean' and try again." >&2; exit 1; }
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[dev,examples,flower]"
+	$(PY) -m pip install --quiet -e ".[dev,examples,flower,docs]"
 	@touch $@
 
 venv install: $(STAMP)
@@ -51,10 +51,18 @@ bench: $(STAMP)
 wheel-check:
 	bash scripts/check-wheel.sh
 
+# The site (docs/_build/html): warnings are errors, every tutorial is executed on the
+# CPU. Outputs are cached in docs/_build/.jupyter_cache by page text, so a rebuild
+# re-runs only the pages that changed: after a library change, rm -rf docs/_build to
+# re-run them all (a fresh clone always does). -j auto executes pages in parallel.
+docs: $(STAMP)
+	$(PY) -m sphinx -W --keep-going -j auto -b html docs docs/_build/html
+	$(PY) -m pytest -q -n 2 -m docs tests/test_doc_snippets.py
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check numpyro_fed tests examples benchmarks
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache docs/_build
 	find . -path ./.git -prune -o -type d -name __pycache__ -prune -exec rm -rf {} +

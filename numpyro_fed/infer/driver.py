@@ -17,8 +17,6 @@ from typing import Any, Callable, NamedTuple
 import jax
 from jax import lax
 import jax.numpy as jnp
-import numpy as np
-from tqdm.auto import trange
 
 from numpyro_fed.checks import (
     check_count,
@@ -27,6 +25,7 @@ from numpyro_fed.checks import (
     check_runtime_options,
 )
 from numpyro_fed.guard import check_rejections
+from numpyro_fed.infer.rounds import Plateau, check_plateau, run_rounds
 from numpyro_fed.protocol import FederatedAlgorithm, jit_algorithm, silo_data_of
 from numpyro_fed.runtime import (
     event_round,
@@ -36,6 +35,7 @@ from numpyro_fed.runtime import (
     silo_mesh,
     simulate_round,
 )
+from numpyro_fed.runtime.accounting import RoundBytes, bytes_history, silo_bytes
 from numpyro_fed.runtime.checkpoint import RunCheckpoints, concat_rounds
 from numpyro_fed.runtime.remote import Federation
 from numpyro_fed.runtime.simulate import contacted_silos, init_states
@@ -61,7 +61,9 @@ class RunResult(NamedTuple):
     - **state** - the final state, to resume with ``run(..., init_state=state)``.
     - **losses** - the negative ELBO estimate of every round.
     - **history** - the server's info of every round, stacked by field (``loss``,
-      ``rejected``, ...), plus what the algorithm records of its state.
+      ``rejected``, ...), plus what the algorithm records of its state, the silos
+      each round ``contacted`` and the bytes it sent each way (``bytes_down``,
+      ``bytes_up``, summed over those silos; :func:`~numpyro_fed.runtime.silo_bytes`).
     """
 
     params: Any
@@ -150,6 +152,10 @@ class Driver:
         """What to keep of the state after each round, besides the server's info."""
         del state
         return {}
+
+    def _silo_groups(self) -> tuple | None:
+        """The silos' groups of equal structure (``None``: one stacked group)."""
+        return None
 
     def _silo_labels(self) -> Any:
         """How messages name silo j: ``labels[j]`` (``None``: ``"silo j"``)."""
@@ -279,19 +285,16 @@ class Driver:
     def _schedule(self, rng_key: jax.Array, num_silos: int):
         """``(next_rng_key, schedule)`` of one pass of events: event i's server key
         continues the key chain as round i would, so one silo's events are rounds."""
-
-        def chain(key, _):
-            key, server_key, _ = self._round_keys(key, num_silos)
-            return key, server_key
-
+        chain = lambda key, _: self._round_keys(key, num_silos)[:2]  # noqa: E731
         next_key, server_keys = lax.scan(chain, rng_key, None, length=num_silos)
         schedule = event_schedule(
             jax.random.fold_in(rng_key, 104729),
             num_silos,
             order=self.order,
             max_staleness=self.max_staleness,
+            server_keys=server_keys,
         )
-        return next_key, schedule._replace(server_keys=server_keys)
+        return next_key, schedule
 
     @partial(jax.jit, static_argnums=(0, 2))
     def _round_inputs(self, rng_key: jax.Array, num_silos: int):
@@ -330,13 +333,12 @@ class Driver:
             silo_keys,
             participating,
         )
-        contacted = None
-        if self.runtime != "events":  # (an events pass visits every silo once)
-            contacted = contacted_silos(
+        contacted = jnp.ones((num_silos,), bool)  # an events pass visits every silo
+        if self.runtime != "events":
+            picked = contacted_silos(
                 algorithm, state.server, server_key, num_silos, participating
             )
-        if contacted is None:
-            contacted = jnp.ones((num_silos,), bool)
+            contacted = contacted if picked is None else picked
         return FederatedState(server, silos, rng_key), info, contacted
 
     def update(
@@ -381,6 +383,7 @@ class Driver:
         checkpoint_every: int | None = None,
         checkpoint_dir: str | os.PathLike | None = None,
         resume: bool = False,
+        stop: Plateau | None = None,
     ) -> RunResult:
         """
         Run ``num_steps`` rounds: inside ``lax.scan`` without a progress bar,
@@ -412,6 +415,9 @@ class Driver:
             resume needs it empty (or new).
         :param bool resume: continue from the newest checkpoint in
             ``checkpoint_dir``.
+        :param Plateau stop: end the run early once the loss stops moving
+            (:class:`~numpyro_fed.infer.rounds.Plateau`); ``num_steps`` is then
+            the budget.
         :return: :class:`RunResult`, with the history of all ``num_steps`` rounds.
 
         **Example:**
@@ -441,16 +447,11 @@ class Driver:
         if checkpoint_dir is None and (checkpoint_every is not None or resume):
             raise ValueError("checkpoint_every and resume need a checkpoint_dir.")
         saver, done, past = None, 0, None
-        if checkpoint_dir is not None:
-            saver = RunCheckpoints(
-                checkpoint_dir,
-                self._run_meta(data, stable_update),
-                every=checkpoint_every,
+        if checkpoint_dir is not None:  # another run's checkpoint: refused now
+            meta = self._run_meta(data, stable_update)
+            saver = RunCheckpoints.open(
+                checkpoint_dir, meta, checkpoint_every, resume, num_steps
             )
-            if resume:  # another run's checkpoint is refused before any work
-                saver.check_meta(num_steps)
-            else:
-                saver.check_empty()
         state = (
             init_state
             if init_state is not None
@@ -462,19 +463,26 @@ class Driver:
             everyone = jnp.ones((data.num_silos,), bool)  # shapes only
             record = jax.eval_shape(lambda s: step(s, everyone)[1], state)
             state, past, done = saver.load(state, record, num_steps)
-        if done == num_steps:
-            history = None  # all rounds are in the checkpoint's history
-        elif (
-            not progress_bar
-            and self.runtime != "sequential"
-            and num_steps >= self.min_scan_steps
-        ):
-            state, history = self._scan(scans, state, done, num_steps, saver)
-        else:
-            state, history = self._loop(step_fn, state, num_steps, progress_bar, saver)
+        scan = not progress_bar and self.runtime != "sequential"
+        state, history = run_rounds(
+            step_fn,
+            scans,
+            state,
+            done=done,
+            num_steps=num_steps,
+            scan=scan and num_steps >= self.min_scan_steps,
+            progress_bar=progress_bar,
+            saver=saver,
+            check=self._check_info,
+            stop=check_plateau(stop),
+            past=past,
+            description=self.description,
+        )
         history = concat_rounds(past, history)
         if history is None:  # num_steps >= 1 rounds either ran or were loaded
             raise RuntimeError(f"{type(self).__name__}.run recorded no rounds.")
+        sizes = self._wire_bytes(data, state)
+        history.update(bytes_history(history["contacted"], sizes, self.exchanges))
         result = RunResult(self.get_params(state), state, history["loss"], history)
         check_rejections(
             type(self).__name__,
@@ -484,6 +492,21 @@ class Driver:
             labels=self._silo_labels(),
         )
         return result
+
+    def _wire_bytes(self, data: Any, state: FederatedState) -> RoundBytes:
+        """What each silo exchanges per contract round when contacted (cached)."""
+        key = ("bytes", self._layout(data), self._silo_groups())
+        if key not in self._built:
+            algorithm, _ = self._build(data)
+            round_keys = partial(self._round_keys, num_silos=data.num_silos)
+            keys = jax.eval_shape(lambda k: round_keys(k)[1:], state.rng_key)
+            server_key, silo_keys = keys
+            silo_data, groups = self._silo_data(data), self._silo_groups()
+            self._built[key] = silo_bytes(
+                algorithm, state.server, state.silos, silo_data, server_key, silo_keys,
+                groups,
+            )  # fmt: skip
+        return self._built[key]
 
     def _run_meta(self, data: Any, stable_update: bool) -> dict:
         """What a resumed run must share with the run that wrote the checkpoint."""
@@ -537,66 +560,13 @@ class Driver:
         self._built["run"] = (data, options, (step, step_fn, scans))
         return step, step_fn, scans
 
-    def _scan(self, scans, state, done: int, num_steps: int, saver):
-        """Rounds ``done + 1 .. num_steps`` in ``lax.scan`` chunks that end at the
-        checkpoints and at ``num_steps`` (one chunk without checkpoints)."""
-        chunks = []
-        start = done
-        while start < num_steps:
-            stop = num_steps if saver is None else saver.next_stop(start, num_steps)
-            before = state
-            state, history = scans(stop - start)(state)
-            self._check_info(before, _Info(history))
-            chunks.append(history)
-            if saver is not None:
-                saver.save(state, concat_rounds(*chunks), stop)
-            start = stop
-        return state, concat_rounds(*chunks)
 
-    def _loop(self, step_fn, state, num_steps: int, progress_bar: bool, saver=None):
-        """One jitted round at a time (after the rounds ``saver`` resumed from)."""
-        records = []
-        done = 0 if saver is None else saver.done
-        batch = max(num_steps // 20, 1)
-        with trange(
-            done + 1, num_steps + 1, desc=self.description, disable=not progress_bar
-        ) as bar:
-            for i in bar:
-                before = state
-                state, record = step_fn(state)
-                self._check_info(before, _Info(record))
-                records.append(record)
-                if saver is not None and saver.next_stop(i - 1, num_steps) == i:
-                    saver.save(state, _stack(records), i)
-                if progress_bar and i % batch == 0:
-                    losses = [r["loss"] for r in records[-batch:]]
-                    recent = np.asarray(jax.device_get(jnp.stack(losses)))
-                    bar.set_postfix_str(
-                        f"avg. loss [{i - len(recent) + 1}-{i}]: {recent.mean():.4f}",
-                        refresh=False,
-                    )
-        return state, _stack(records)
-
-
-def _keep_if_finite(
-    new: FederatedState, old: FederatedState, loss: jax.Array
-) -> FederatedState:
-    """``new`` if its loss and state are finite, else ``old`` with ``new``'s key
-    (NumPyro's ``stable_update``: the key chain still advances)."""
+def _keep_if_finite(new: FederatedState, old: FederatedState, loss) -> FederatedState:
+    """``new`` if its loss and state are finite, else ``old`` with ``new``'s key (as
+    NumPyro's ``stable_update``)."""
     ok = jnp.isfinite(loss) & all_finite(new)
     return tree_where(ok, new, old)._replace(rng_key=new.rng_key)
 
 
-class _Info:
-    """A recorded round's dict, read like the server's info NamedTuple."""
-
-    def __init__(self, record: dict) -> None:
-        self.__dict__.update(record)
-
-
 def _round_loss(info: Any, runtime: str) -> jax.Array:
     return jnp.mean(info.loss) if runtime == "events" else info.loss
-
-
-def _stack(records: list) -> dict:
-    return jax.tree.map(lambda *x: jnp.stack(x), *records)

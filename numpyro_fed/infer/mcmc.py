@@ -534,9 +534,9 @@ class FSGLD(MCMCKernel):
             surrogate_messages=uploads,
             surrogate_bytes=surrogate_bytes,
             server_to_silo_messages=num_rounds,
-            server_to_silo_bytes=num_rounds * sizes.down,
+            server_to_silo_bytes=num_rounds * int(sizes.down),
             silo_to_server_messages=num_rounds,
-            silo_to_server_bytes=num_rounds * sizes.reply,
+            silo_to_server_bytes=num_rounds * int(sizes.reply),
         )
         return ProtocolResult(pot.constrain(samples), server, silos, stats)
 

@@ -32,6 +32,7 @@ from numpyro_fed.expfam import (
 from numpyro_fed.families.structured import AutoGlobalLocalNormal, AutoMeanField
 from numpyro_fed.infer.driver import Driver, FederatedState, RunResult
 from numpyro_fed.infer.posterior import sample_structured
+from numpyro_fed.infer.rounds import loss_drift
 from numpyro_fed.infer.vi import local_params
 from numpyro_fed.partition import nested_sizes
 from numpyro_fed.util import constrain
@@ -393,13 +394,26 @@ class PVI(Driver):
         """:meth:`Driver.run <numpyro_fed.infer.driver.Driver.run>` (``num_steps``
         rounds), warning when the server had to shrink updates to keep q valid."""
         result = super().run(rng_key, num_steps, data, **kwargs)
-        scale = np.asarray(result.history["scale"]).reshape(num_steps, -1).min(1)
+        scale = (
+            np.asarray(result.history["scale"]).reshape(len(result.losses), -1).min(1)
+        )
         shrunk = int(np.sum(scale < 1))
         if shrunk:
             warnings.warn(
                 f"In {shrunk} round(s) the server shrank an update (smallest applied "
                 f"fraction {float(scale.min()):.3g}) to keep q a valid Gaussian; "
                 "consider more damping.",
+                stacklevel=2,
+            )
+        window = max(len(result.losses) // 10, 5)
+        rise, z = loss_drift(result.losses, window)
+        if z > 4 and rise > 1e-3 * abs(float(np.min(result.losses))):
+            warnings.warn(
+                f"{type(self).__name__}: the free energy of the last {window} rounds is "
+                f"{rise:.4g} worse than at its best ({z:.3g} standard errors): the "
+                "Monte Carlo error of the local solves is piling up across silos. "
+                "Use more local_steps and num_particles, more damping, or "
+                "local_solver='natural'.",
                 stacklevel=2,
             )
         return result

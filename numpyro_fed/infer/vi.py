@@ -5,6 +5,7 @@
 :func:`~numpyro_fed.algorithms.sfvi_avg.sfvi_avg`."""
 
 from typing import Any, Callable, NamedTuple
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -289,6 +290,23 @@ class SFVIAvg(SFVI):
         self.scale_local_entropy = scale_local_entropy
         self.weighted = weighted
         self.reset_optimizer = reset_optimizer
+
+    def _setup(self, data: Any) -> None:
+        super()._setup(data)
+        dim = getattr(self.guide, "global_dim", 0)
+        small = [j for j, n in enumerate(data.sizes) if n < dim]
+        if small:
+            named = ", ".join(map(str, small[:5])) + (
+                f" and {len(small) - 5} more" if len(small) > 5 else ""
+            )
+            warnings.warn(
+                f"SFVIAvg: silo(s) {named} hold fewer units than the model has global "
+                f"coordinates ({dim}): each silo's local problem scales its units by "
+                "N/N_j, too few to identify the globals, and the barycenter of such "
+                "fits can be far from the posterior and overconfident. Use SFVI, or "
+                "larger silos.",
+                stacklevel=3,
+            )
 
     def _make_algorithm(self, data: Any):
         return sfvi_avg(

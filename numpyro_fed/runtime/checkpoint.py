@@ -354,6 +354,19 @@ class RunCheckpoints:
         #: the history read by :meth:`load` (``None``: no rounds)
         self.past = None
 
+    @classmethod
+    def open(
+        cls, directory, meta: dict, every: int | None, resume: bool, num_steps: int
+    ) -> "RunCheckpoints":
+        """The checkpoints of a run of ``num_steps`` rounds: with ``resume``, those
+        of the same run (refused otherwise), else an empty (or new) directory."""
+        saver = cls(directory, meta, every=every)
+        if resume:
+            saver.check_meta(num_steps)
+        else:
+            saver.check_empty()
+        return saver
+
     def next_stop(self, start: int, num_steps: int) -> int:
         """The first checkpoint after round ``start`` (or ``num_steps``)."""
         if self.every is None:

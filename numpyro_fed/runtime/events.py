@@ -38,16 +38,20 @@ def event_schedule(
     *,
     order: str = "cyclic",
     max_staleness: int = 0,
+    server_keys: jax.Array | None = None,
 ) -> EventSchedule:
     """A pass that visits every silo once: in index order (``"cyclic"``) or a random
     permutation (``"random"``), each reading a message up to ``max_staleness``
-    updates old, drawn uniformly."""
+    updates old, drawn uniformly; the events' server keys are ``server_keys`` or
+    drawn from ``key``."""
     order_key, lag_key, server_key = jax.random.split(key, 3)
     visits = jnp.arange(num_silos)
     if order == "random":
         visits = jax.random.permutation(order_key, num_silos)
     lags = jax.random.randint(lag_key, (num_silos,), 0, max_staleness + 1)
-    return EventSchedule(visits, lags, jax.random.split(server_key, num_silos))
+    if server_keys is None:
+        server_keys = jax.random.split(server_key, num_silos)
+    return EventSchedule(visits, lags, server_keys)
 
 
 def event_round(

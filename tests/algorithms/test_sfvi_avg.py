@@ -158,3 +158,25 @@ def test_sfvi_avg_one_step_is_sfvi_up_to_the_scale_parameterization():
         assert gap < 0.1 * step
         gaps.append(gap)
     assert 50 < gaps[0] / gaps[1] < 200
+
+
+def test_silos_too_small_for_the_scaling_are_named_in_a_warning():
+    """One group per silo cannot identify mu (2) and tau: SFVIAvg says so, naming
+    the silos; silos of 4 rows for 3 coefficients pass silently."""
+    import warnings
+
+    fed = nf.federate(m.hierarchical, silos="group")
+    data = nf.FederatedData.from_groups(np.arange(7), **m.hierarchical_data())
+    avg = nf.SFVIAvg(fed, nf.AutoMeanField(fed), optax.adam(0.05), local_steps=2)
+    with pytest.warns(UserWarning, match=r"silo\(s\) 0, 1, 2, 3, 4 and 2 more.*\(3\)"):
+        avg.init(jax.random.key(0), data)
+    logistic = nf.federate(m.logistic, silos="data")
+    rows = nf.FederatedData.from_groups(
+        np.arange(40) % 10, **m.logistic_data(num_rows=40)
+    )
+    avg = nf.SFVIAvg(
+        logistic, nf.AutoMeanField(logistic), optax.adam(0.05), local_steps=2
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        avg.init(jax.random.key(0), rows)
