@@ -39,6 +39,12 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m slow
 
+# Every example with --quick, as a subprocess (tests/examples); the examples are one
+# test file, so its tests are spread over the two workers one by one.
+.PHONY: test-examples
+test-examples: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist load -m examples tests/examples
+
 demo: $(STAMP)
 	$(PY) examples/quickstart.py
 

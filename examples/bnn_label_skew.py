@@ -28,7 +28,8 @@ mean): the mean over silos and partitions, the spread across silos, and the spre
 the partition means.
 
 Run: ``python examples/bnn_label_skew.py`` (a few minutes on 2 CPU cores);
-``--num-silos 10 50 --num-steps 10000`` for the paper's sizes.
+``--num-silos 10 50 --num-steps 10000`` for the paper's sizes; ``--quick`` for a
+smoke run (one partition, 40 local steps).
 """
 
 import argparse
@@ -229,4 +230,9 @@ if __name__ == "__main__":
     parser.add_argument("--num-steps", type=int, default=2000)
     parser.add_argument("--avg-rounds", type=int, default=20)
     parser.add_argument("--lr", type=float, default=0.01)
-    main(parser.parse_args())
+    parser.add_argument("--quick", action="store_true", help="a smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        args.num_silos, args.num_partitions = [10], 1
+        args.num_steps, args.avg_rounds = 40, 4
+    main(args)

@@ -13,7 +13,8 @@ of local steps. Reported: mean posterior-predictive accuracy on train and test, 
 the paper's table (which, on MNIST, shows SFVI > SFVI-Avg(many rounds) > SFVI-Avg(one
 round) > independent with small silos, and the gap closing with large silos).
 
-Run: ``python examples/eb_multinomial.py`` (a few minutes on 2 CPU cores).
+Run: ``python examples/eb_multinomial.py`` (a few minutes on 2 CPU cores); ``--quick``
+for a smoke run (5 silos, a budget of 100 local steps).
 """
 
 import argparse
@@ -97,4 +98,8 @@ if __name__ == "__main__":
     parser.add_argument("--num-silos", type=int, nargs="+", default=[25, 5])
     parser.add_argument("--budget", type=int, default=2000)
     parser.add_argument("--lr", type=float, default=0.01)
-    main(parser.parse_args())
+    parser.add_argument("--quick", action="store_true", help="a smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        args.num_silos, args.budget = [5], 100
+    main(args)

@@ -8,7 +8,8 @@ of the training labels is flipped. PVI (log-likelihood, KL) is compared with Fed
 using a robust loss (generalized cross-entropy, beta-divergence) and a Rényi
 divergence to the prior, on held-out log-likelihood and accuracy with clean labels.
 
-Run: ``python examples/fedgvi_robust.py [--flip 0.4] [--seeds 3] [--rounds 8]``
+Run: ``python examples/fedgvi_robust.py [--flip 0.4] [--seeds 3] [--rounds 8]``;
+``--quick`` for a smoke run (one seed, 2 rounds of 10 local steps).
 """
 
 import argparse
@@ -74,7 +75,10 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--local-steps", type=int, default=50)
+    parser.add_argument("--quick", action="store_true", help="a smoke run")
     args = parser.parse_args()
+    if args.quick:
+        args.seeds, args.rounds, args.local_steps = 1, 2, 10
     warnings.simplefilter("ignore", UserWarning)  # backtracking notices
 
     scores = {name: [] for name in METHODS}

@@ -28,15 +28,19 @@ Both readings of "average log-likelihood" are printed (posterior predictive, and
 per draw); see docs/fsgld.md for what they show.
 
 Part 2 runs FSGLD and NUTS on a federated logistic regression (IID silos), prints
-``nf.compare`` and saves an ArviZ trace plot to ``examples/output/``, then compares
+``nf.compare`` and saves an ArviZ trace plot to ``--output-dir`` (default
+``examples/output/``), then compares
 FSGLD and DSGLD with NUTS on label-skewed silos.
 
 Run: ``python examples/fsgld_noniid.py`` (about an hour on 2 CPU cores, most of it
-the Laplace fits, 2 to 8 minutes per seed and split; ``--quick``, 1 seed, 10 silos
-and 50 rounds, is a smoke run of about 8 minutes, too short to show the ordering).
+the Laplace fits, 2 to 8 minutes per seed and split); ``--quick`` is a smoke run of
+the same code on small data (non-IID silos only, 1 seed, 3 silos of 200 rows, a 4-4
+hidden network, 4 rounds; part 2 on 1,000 rows and one tau), far too short to show
+the ordering.
 """
 
 import argparse
+import functools
 from pathlib import Path
 import time
 
@@ -51,11 +55,14 @@ from numpyro.infer import MCMC, NUTS
 import numpyro_fed as nf
 
 HIDDEN = (18, 8)
+# Beta(a, b) of the silos' label proportions.
+SETTINGS = {"non-IID": (0.5, 0.5), "IID": (100.0, 100.0)}
 
 
-def mlp(X, y):
-    """An 18-18-8 ReLU MLP with N(0, 1) weights and a Bernoulli output."""
-    sizes = (X.shape[-1],) + HIDDEN + (1,)
+def mlp(X, y, hidden=HIDDEN):
+    """An 18-18-8 ReLU MLP (``hidden``: the hidden widths) with N(0, 1) weights and a
+    Bernoulli output."""
+    sizes = (X.shape[-1],) + tuple(hidden) + (1,)
     weights = []
     for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True)):
         w = numpyro.sample(f"w{i}", dist.Normal(0, 1).expand([a, b]).to_event(2))
@@ -79,7 +86,7 @@ def log_liks(samples, X, y):
     log p(y | x, w) (each draw scored on its own; a chain that swings between
     confident silo-specific models scores badly here even when its draws average
     to a good predictor)."""
-    n = len(HIDDEN) + 1
+    n = sum(1 for k in samples if k.startswith("w"))
 
     def logits(s):
         return forward([(s[f"w{i}"], s[f"b{i}"]) for i in range(n)], X)
@@ -129,8 +136,10 @@ def beta_split(y, num_silos, size, a, b, rng):
 
 
 def table1(args):
+    model = functools.partial(mlp, hidden=args.hidden)
     rows = []
-    for setting, (a, b) in (("non-IID", (0.5, 0.5)), ("IID", (100.0, 100.0))):
+    for setting in args.settings:
+        a, b = SETTINGS[setting]
         for seed in range(args.seeds):
             rng = np.random.default_rng(seed)
             X, y = load(args, rng)
@@ -146,7 +155,7 @@ def table1(args):
             z0 = None
             if args.warm_rounds:
                 warm = MCMC(
-                    nf.DSGLD(mlp, args.step_size, args.tau, batch_size=50),
+                    nf.DSGLD(model, args.step_size, args.tau, batch_size=50),
                     num_warmup=0,
                     num_samples=args.warm_rounds * args.tau,
                     progress_bar=False,
@@ -158,7 +167,9 @@ def table1(args):
                 # At most 25 Newton steps (25 Hessians) per silo: a silo whose
                 # target is far from convex at the start can otherwise wander for
                 # hundreds of steps; seed 0's result is the same with 500.
-                fit = dict(method="laplace", num_steps=25, silo_batch_size=2)
+                fit = dict(
+                    method="laplace", num_steps=args.laplace_steps, silo_batch_size=2
+                )
             else:
                 fit = dict(
                     method="sgld",
@@ -170,7 +181,7 @@ def table1(args):
                     silo_batch_size=10,
                 )
             q = nf.fit_surrogates(
-                mlp,
+                model,
                 data,
                 covariance="diag",
                 prior_power=1.0 / args.num_silos,
@@ -182,7 +193,7 @@ def table1(args):
             for name in ("FSGLD", "DSGLD"):
                 if name == "FSGLD":
                     kernel = nf.FSGLD(
-                        mlp,
+                        model,
                         args.step_size,
                         q,
                         args.tau,
@@ -190,7 +201,7 @@ def table1(args):
                         batch_size=50,
                     )
                 else:
-                    kernel = nf.DSGLD(mlp, args.step_size, args.tau, batch_size=50)
+                    kernel = nf.DSGLD(model, args.step_size, args.tau, batch_size=50)
                 mcmc = MCMC(
                     kernel,
                     num_warmup=steps // 2,
@@ -223,7 +234,7 @@ def table1(args):
                     flush=True,
                 )
     print("\nAverage log-likelihood, mean +- std over seeds")
-    for setting in ("non-IID", "IID"):
+    for setting in args.settings:
         for name in ("FSGLD", "DSGLD"):
             sel = [r for r in rows if r["setting"] == setting and r["method"] == name]
             cells = []
@@ -242,21 +253,30 @@ def logistic(X, y):
 
 def against_nuts(args):
     """FSGLD (IID silos) against NUTS with nf.compare and an ArviZ trace plot, then
-    FSGLD and DSGLD on label-skewed silos for tau in (1, 10)."""
+    FSGLD and DSGLD on label-skewed silos for each tau in ``--taus``."""
     from sklearn.datasets import make_classification
 
     X, y = make_classification(
-        n_samples=5000, n_features=5, n_informative=5, n_redundant=0, random_state=1
+        n_samples=args.compare_rows,
+        n_features=5,
+        n_informative=5,
+        n_redundant=0,
+        random_state=1,
     )
     X = np.c_[np.ones(len(y)), (X - X.mean(0)) / X.std(0)]
     y = y.astype(float)
-    nuts = MCMC(NUTS(logistic), num_warmup=1000, num_samples=2000, progress_bar=False)
+    nuts = MCMC(
+        NUTS(logistic),
+        num_warmup=args.reference_warmup,
+        num_samples=args.reference_samples,
+        progress_bar=False,
+    )
     nuts.run(jax.random.key(1), X=X, y=y)
 
     def run(kernel, data):
         mcmc = MCMC(
             kernel,
-            num_warmup=5000,
+            num_warmup=args.sgld_warmup,
             num_samples=args.nuts_steps,
             num_chains=4,
             chain_method="vectorized",
@@ -273,8 +293,8 @@ def against_nuts(args):
     print("\nFSGLD (10 IID silos, tau = 10, 4 chains) vs NUTS on the pooled data:")
     fsgld.print_summary()
     print(nf.format_compare(nf.compare(fsgld, nuts, labels=("fsgld", "nuts"))))
-    out = Path(__file__).parent / "output"
-    out.mkdir(exist_ok=True)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
     plot = az.plot_trace_dist(az.from_numpyro(fsgld))
     plot.savefig(out / "fsgld_trace.png")
     print(f"trace plot: {out / 'fsgld_trace.png'}")
@@ -284,7 +304,7 @@ def against_nuts(args):
     q = nf.fit_surrogates(logistic, skewed, prior_power=0.1)
     print("\nLabel-skewed silos (90% one class): max |mean - NUTS| in NUTS sds, and")
     print("the sd ratio to NUTS of the intercept and (max) of the slopes")
-    for tau in (1, 10):
+    for tau in args.taus:
         for name in ("FSGLD", "DSGLD"):
             if name == "FSGLD":
                 kernel = nf.FSGLD(logistic, h, q, tau=tau, batch_size=m)
@@ -307,6 +327,9 @@ def main():
         help="rows to generate (default 35 x silo size, >= 20000)",
     )
     parser.add_argument("--num-test", type=int, default=2000)
+    parser.add_argument(
+        "--hidden", type=int, nargs="+", default=list(HIDDEN), help="hidden widths"
+    )
     parser.add_argument("--num-silos", type=int, default=30)
     parser.add_argument(
         "--silo-size",
@@ -320,6 +343,12 @@ def main():
         default="laplace",
         help="laplace: each silo's mode and curvature; sgld: moments of 3,000 local "
         "Langevin draws, as in the paper",
+    )
+    parser.add_argument(
+        "--laplace-steps", type=int, default=25, help="Newton steps per silo"
+    )
+    parser.add_argument(
+        "--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS)
     )
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=300)
@@ -342,14 +371,29 @@ def main():
         help="DSGLD rounds whose last state starts the surrogate fits and both "
         "samplers (0: the model's default initial values)",
     )
-    parser.add_argument("--nuts-steps", type=int, default=40000)
+    parser.add_argument(
+        "--nuts-steps", type=int, default=40000, help="part 2: SGLD steps per chain"
+    )
+    parser.add_argument("--sgld-warmup", type=int, default=5000, help="part 2")
+    parser.add_argument("--taus", type=int, nargs="+", default=[1, 10], help="part 2")
+    parser.add_argument("--compare-rows", type=int, default=5000, help="part 2")
+    parser.add_argument(
+        "--reference-warmup", type=int, default=1000, help="part 2: NUTS warmup"
+    )
+    parser.add_argument(
+        "--reference-samples", type=int, default=2000, help="part 2: NUTS draws"
+    )
+    parser.add_argument("--output-dir", default=Path(__file__).parent / "output")
     parser.add_argument("--quick", action="store_true", help="a short smoke run")
     args = parser.parse_args()
     if args.quick:
-        args.seeds, args.rounds, args.nuts_steps, args.local_warmup = 1, 50, 4000, 200
-        # Fewer silos, not smaller ones: with small silos the network learns, and
-        # Laplace fits stopped after 25 Newton steps make FSGLD diverge.
-        args.num_silos = min(args.num_silos, 10)
+        args.seeds, args.rounds, args.warm_rounds, args.local_warmup = 1, 4, 2, 200
+        args.laplace_steps, args.hidden, args.settings = 3, [4, 4], ["non-IID"]
+        args.num_silos, args.silo_size, args.num_test = 3, 200, 200
+        args.num_rows = args.num_rows or 1000
+        args.compare_rows = 1000
+        args.reference_warmup, args.reference_samples = 200, 200
+        args.sgld_warmup, args.nuts_steps, args.taus = 500, 500, [10]
     if args.num_rows is None:
         args.num_rows = max(20000, 35 * args.silo_size)
     numpyro.enable_x64()

@@ -31,7 +31,8 @@ SFVI-Avg has higher coherence than SFVI, and SFVI reaches a higher ELBO.
 
 Run: ``python examples/prodlda.py`` (a few minutes on 2 CPU cores); pass
 ``--newsgroups PATH`` to fit 20 Newsgroups from a local copy of
-``20news-bydate.tar.gz`` instead (no download).
+``20news-bydate.tar.gz`` instead (no download); ``--quick`` for a smoke run (60
+documents of 50 words, 3 topics, 60 local steps).
 """
 
 import argparse
@@ -276,4 +277,9 @@ if __name__ == "__main__":
     parser.add_argument(
         "--x64", action=argparse.BooleanOptionalAction, default=True, help="float64"
     )
-    main(parser.parse_args())
+    parser.add_argument("--quick", action="store_true", help="a smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        args.num_docs, args.num_words, args.num_topics, args.hidden = 60, 50, 3, 16
+        args.num_steps, args.avg_rounds, args.chunks, args.top_words = 60, 3, 2, 5
+    main(args)

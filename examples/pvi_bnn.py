@@ -40,7 +40,8 @@ of q).
 ``--mnist PATH`` runs the same on MNIST from local files (``nf.datasets.mnist``), e.g.
 with ``--hidden 200``.
 
-Run: ``python examples/pvi_bnn.py`` (a few minutes on 2 CPU cores).
+Run: ``python examples/pvi_bnn.py`` (a few minutes on 2 CPU cores); ``--quick`` for a
+smoke run (the non-IID split over 3 silos, 8 hidden units, 2 rounds of 5 local steps).
 """
 
 import argparse
@@ -211,6 +212,7 @@ def main(args):
         "IID": nf.data.split_iid(len(y_tr), args.num_silos, seed=args.seed),
         "non-IID": y_tr % args.num_silos,  # one digit per silo when J = 10
     }
+    splits = {k: splits[k] for k in args.splits}
     table = {}
     for split, groups in splits.items():
         print(f"{split}:", flush=True)
@@ -253,4 +255,12 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mnist", default=None, help="directory with MNIST files")
     parser.add_argument("--max-train", type=int, default=None)
-    main(parser.parse_args())
+    parser.add_argument(
+        "--splits", nargs="+", choices=["IID", "non-IID"], default=["IID", "non-IID"]
+    )
+    parser.add_argument("--quick", action="store_true", help="a smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        args.hidden, args.rounds, args.local_steps, args.draws = 8, 2, 5, 20
+        args.num_silos, args.splits = 3, ["non-IID"]
+    main(args)

@@ -11,7 +11,8 @@ not edited: ``nf.federate(model, silos="child")`` says that the "child" plate ru
 over silos. SFVI fits the structured Gaussian guide without pooling the data, and the
 result is compared with NUTS on the pooled data.
 
-Run: ``python examples/quickstart.py`` (about a minute on 2 CPU cores).
+Run: ``python examples/quickstart.py`` (about a minute on 2 CPU cores); ``--quick``
+for a smoke run with few steps and draws (seconds; too short to agree with NUTS).
 """
 
 import argparse
@@ -114,4 +115,8 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--plot", default="examples/output/six_cities_forest.png")
     parser.add_argument("--no-progress", action="store_true")
-    main(parser.parse_args())
+    parser.add_argument("--quick", action="store_true", help="a smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        args.num_steps, args.num_warmup, args.num_samples = 300, 200, 300
+    main(args)

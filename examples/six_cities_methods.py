@@ -11,7 +11,8 @@ fits disagree with each other, and that SFVI-Avg "failed to produce reasonable
 results". This script fits all of them and prints each method's means and sds next to
 NUTS (mean difference in NUTS posterior sds).
 
-Run: ``python examples/six_cities_methods.py`` (a few minutes on 2 CPU cores).
+Run: ``python examples/six_cities_methods.py`` (a few minutes on 2 CPU cores);
+``--quick`` for a smoke run (seconds; too short for the methods to settle).
 """
 
 import argparse
@@ -42,7 +43,7 @@ def main(args):
     sfvi = nf.SFVI(fed, nf.AutoGlobalLocalNormal(fed), optim(), num_particles=4)
     fit = sfvi.run(jax.random.key(args.seed), steps, data, progress_bar=False)
     draws["SFVI"] = sfvi.sample_posterior(
-        jax.random.key(1), fit.params, data, num_samples=4000
+        jax.random.key(1), fit.params, data, num_samples=args.draws
     )
 
     rounds = steps // args.local_steps
@@ -58,7 +59,7 @@ def main(args):
         fit = avg.run(jax.random.key(args.seed), rounds, data, progress_bar=False)
         label = "" if scale_entropy else ", literal"
         draws[f"SFVI-Avg({args.local_steps})x{rounds}{label}"] = avg.sample_posterior(
-            jax.random.key(1), fit.params, data, num_samples=4000
+            jax.random.key(1), fit.params, data, num_samples=args.draws
         )
 
     independent = nf.baselines.fit_independent(
@@ -71,9 +72,14 @@ def main(args):
         num_particles=4,
     )
     for j, fit in enumerate(independent):
-        draws[f"silo {j} alone"] = fit.sample_posterior(jax.random.key(1), 4000)
+        draws[f"silo {j} alone"] = fit.sample_posterior(jax.random.key(1), args.draws)
 
-    mcmc = MCMC(NUTS(model), num_warmup=1000, num_samples=2000, progress_bar=False)
+    mcmc = MCMC(
+        NUTS(model),
+        num_warmup=args.num_warmup,
+        num_samples=args.num_samples,
+        progress_bar=False,
+    )
     mcmc.run(jax.random.key(2), **data.pooled())
 
     rows = []
@@ -101,5 +107,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--num-steps", type=int, default=6000)
     parser.add_argument("--local-steps", type=int, default=300)
+    parser.add_argument("--draws", type=int, default=4000, help="draws of each q")
+    parser.add_argument("--num-warmup", type=int, default=1000, help="NUTS")
+    parser.add_argument("--num-samples", type=int, default=2000, help="NUTS")
     parser.add_argument("--seed", type=int, default=0)
-    main(parser.parse_args())
+    parser.add_argument("--quick", action="store_true", help="a smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        args.num_steps, args.local_steps, args.draws = 200, 100, 500
+        args.num_warmup, args.num_samples = 200, 300
+    main(args)

@@ -11,7 +11,8 @@ covariances from the joint precision).
 The paper's experiments are separate examples: ``vertical_logistic.py`` (§5.1),
 ``vertical_poisson_multilevel.py`` (§5.2) and ``vertical_split_nn.py`` (§5.3).
 
-Run: ``python examples/vertical_fl.py [--steps 4000]``.
+Run: ``python examples/vertical_fl.py [--steps 4000]``; ``--quick`` for a smoke run
+(300 rounds: too few to reach the optimum).
 """
 
 import argparse
@@ -101,7 +102,10 @@ def gaussian_part(steps):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4000)
+    parser.add_argument("--quick", action="store_true", help="a smoke run")
     args = parser.parse_args()
+    if args.quick:
+        args.steps = 300
     gaussian_part(args.steps)
 
 

@@ -39,8 +39,8 @@ patients). The paper trains for 50,000 Adam steps at 1e-3; this example trains f
 ``--steps`` rounds at ``--lr`` (full batch, both models alike).
 
 Run: ``python examples/vertical_split_nn.py`` (40 fits; 15 minutes wall clock, 9 min
-CPU, on a 2-core machine shared with other jobs), ``--quick`` (3 folds, rho = 1, about
-2 minutes), ``--csv heart.csv``.
+CPU, on a 2-core machine shared with other jobs), ``--quick`` for a smoke run (2 folds,
+rho = 1, 100 rounds), ``--csv heart.csv``.
 """
 
 import argparse
@@ -236,7 +236,7 @@ def main():
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     if args.quick:
-        args.rhos, args.folds, args.steps = [1.0], 3, 500
+        args.rhos, args.folds, args.steps = [1.0], 2, 100
     X, y, party, numeric, name = load(args.csv)
     print(
         f"{name}: {X.shape[0]} rows, {X.shape[1]} columns "

@@ -14,7 +14,8 @@ every SFVI round with the same 32 draws for both runs (common random numbers), a
 run has converged when it closes a given share of the gap between the scratch run's
 first ELBO and the best ELBO either run reaches.
 
-Run: ``python examples/warm_start.py`` (a few minutes on 2 CPU cores).
+Run: ``python examples/warm_start.py`` (a few minutes on 2 CPU cores); ``--quick`` for
+a smoke run (one seed, 5 silos, 30 SFVI rounds).
 """
 
 import argparse
@@ -119,4 +120,9 @@ if __name__ == "__main__":
     parser.add_argument("--num-seeds", type=int, default=3)
     parser.add_argument("--shares", type=float, nargs="+", default=[0.99, 0.999])
     parser.add_argument("--lr", type=float, default=0.01)
-    main(parser.parse_args())
+    parser.add_argument("--quick", action="store_true", help="a smoke run")
+    args = parser.parse_args()
+    if args.quick:
+        args.num_silos, args.num_steps, args.num_seeds = 5, 30, 1
+        args.avg_rounds, args.avg_steps = 2, 5
+    main(args)
