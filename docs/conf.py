@@ -24,6 +24,9 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
+# tqdm.auto in a kernel without ipywidgets warns "IProgress not found" on every page;
+# the pages pass progress_bar=False where it matters, so bars are off in the build.
+os.environ.setdefault("TQDM_DISABLE", "1")
 
 project = "numpyro-fed"
 author = "numpyro-fed developers"
