@@ -46,6 +46,15 @@ class SFVIParams(NamedTuple):
     eta_global: dict
     eta_local: dict
 
+    def __contains__(self, name: object) -> bool:
+        # NumPyro's substitute (under Predictive, for one) asks ``name in params``;
+        # a tuple answers False for every site, and the guide would silently draw
+        # from its initial values instead of the fitted ones.
+        raise TypeError(
+            "SFVIParams is not a dict of NumPyro parameters: pass "
+            "svi.pooled_params(params, data) to Predictive or to NumPyro's SVI."
+        )
+
 
 def local_params(constraints: dict, silos: Any) -> dict:
     """The constrained local parameters of the silos' states; ``{}`` for a deployed

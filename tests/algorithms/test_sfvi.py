@@ -359,6 +359,33 @@ def test_conjugate_hierarchy_converges_to_exact_posterior():
     np.testing.assert_allclose(fit_cov, cov, atol=5e-3)
 
 
+def test_predictive_runs_the_fitted_guide_from_pooled_params():
+    """NumPyro's Predictive draws from the fitted guide given ``pooled_params``; given
+    the SFVIParams tuple itself it raises, where NumPyro's substitute would find no
+    site in a tuple and silently draw from the guide's initial values."""
+    from numpyro.infer import Predictive
+
+    y = jnp.asarray(np.random.default_rng(0).normal(size=(5, 4)) + 1.0)
+    fed = nf.federate(m.normal_normal, silos="group")
+    data = nf.FederatedData.from_groups(np.array([0, 0, 1, 1, 1]), y=y)
+    guide = nf.AutoGlobalLocalNormal(fed)
+    svi = nf.SFVI(fed, guide, optax.adam(0.05))
+    params = svi.run(jax.random.key(0), 300, data, progress_bar=False).params
+    loc = float(params.eta_global["loc"][0])
+    scale = float(params.eta_global["scale"][0])
+    assert abs(scale - 0.1) > 0.1  # moved away from init_scale, so the check can fail
+    predictive = Predictive(
+        fed, guide=guide, params=svi.pooled_params(params, data), num_samples=4000,
+        return_sites=["mu", "b"],
+    )  # fmt: skip
+    draws = predictive(jax.random.key(1), y)
+    assert draws["b"].shape == (4000, 5, 1)
+    np.testing.assert_allclose(float(draws["mu"].mean()), loc, atol=4 * scale / 60)
+    np.testing.assert_allclose(float(draws["mu"].std()), scale, rtol=0.05)
+    with pytest.raises(TypeError, match="pooled_params"):
+        Predictive(fed, guide=guide, params=params, num_samples=2)(jax.random.key(1), y)
+
+
 # Slow: the contract test's unit-axis check and nf.audit cover every algorithm by default.
 @pytest.mark.slow
 def test_messages_carry_no_unit_or_data_dimension():
