@@ -74,6 +74,7 @@ __all__ = [
     "check_row_hashes",
     "name_key_data",
     "num_phases",
+    "recording",
     "row_errors",
     "vertical_sfvi",
 ]
@@ -516,3 +517,30 @@ def _switch(index: Any, branches: list, *args: Any) -> Any:
 
 def _row(tree: Any, j: int) -> Any:
     return None if tree is None else tree[j]
+
+
+def recording(
+    algorithm: FederatedAlgorithm, kind: str, log: list
+) -> FederatedAlgorithm:
+    """
+    ``algorithm`` whose party step appends what crosses the wire to ``log`` as
+    ``(index, sender, receiver, message)`` when run eagerly (the sequential
+    runtime): in each phase only the parts it uses (the update phase's routed part;
+    in the other phases the broadcast, after the first, and the reply).
+    """
+    update = num_phases(kind) - 1
+
+    def silo_step(message, state, data, key):
+        reply, state = algorithm.silo_step(message, state, data, key)
+        if not isinstance(message.broadcast.phase, jax.core.Tracer):
+            ((party, _),) = data.arrays.items()
+            phase = int(message.broadcast.phase)
+            sent = [(SERVER, party, message.routed)] if phase == update else []
+            if phase != update:
+                if phase > 0:
+                    sent.append((SERVER, party, message.broadcast))
+                sent.append((party, SERVER, reply))
+            log.extend((len(log) + i, *m) for i, m in enumerate(sent))
+        return reply, state
+
+    return algorithm._replace(silo_step=silo_step)

@@ -315,9 +315,9 @@ class Driver:
         self._check_info(state, info)
         return new_state, info
 
-    def _round(self, state: FederatedState, data: Any, participating: Any):
-        """``(state, info, contacted)``: the round, and the ``(J,)`` silos it
-        contacted."""
+    def _round(self, state, data: Any, participating: Any, silo_data: Any = None):
+        """``(state, info, contacted)``: the round (on ``silo_data``, by default
+        ``data``'s), and the ``(J,)`` silos it contacted."""
         algorithm, round_fn = self._build(data)
         num_silos = data.num_silos
         if participating is None:
@@ -328,7 +328,7 @@ class Driver:
         server, silos, info = round_fn(
             state.server,
             state.silos,
-            self._silo_data(data),
+            self._silo_data(data) if silo_data is None else silo_data,
             server_key,
             silo_keys,
             participating,
@@ -461,7 +461,7 @@ class Driver:
         step, step_fn, scans = self._run_fns(data, stable_update)
         if resume and saver is not None:  # resume implies a saver (checked above)
             everyone = jnp.ones((data.num_silos,), bool)  # shapes only
-            record = jax.eval_shape(lambda s: step(s, everyone)[1], state)
+            record = jax.eval_shape(lambda s: step(s, participating=everyone)[1], state)
             state, past, done = saver.load(state, record, num_steps)
         scan = not progress_bar and self.runtime != "sequential"
         state, history = run_rounds(
@@ -532,13 +532,29 @@ class Driver:
             self.order,
             self.max_staleness,
         )
+        key = (self._run_key(data), options)
         cached = self._built.get("run")
-        if cached is not None and cached[0] is data and cached[1] == options:
-            return cached[2]
+        if cached is None or cached[0] != key:
+            cached = (key, self._round_fns(data, stable_update))
+            self._built["run"] = cached
+        step, jitted, scans = cached[1]
+        silo_data = self._silo_data(data)  # an argument: new data compile nothing
+        return (
+            partial(step, silo_data=silo_data),
+            lambda state: jitted(state, silo_data),
+            lambda length: lambda state: scans(length)(state, silo_data),
+        )
+
+    def _run_key(self, data: Any) -> Any:
+        """What a cached run loop depends on (the data's layout, not its values)."""
+        return self._layout(data)
+
+    def _round_fns(self, data: Any, stable_update: bool):
+        """``(step, jitted step, scans)`` on the silos' data as an argument."""
         runtime = self.runtime
 
-        def step(state, participating=None):
-            new, info, contacted = self._round(state, data, participating)
+        def step(state, silo_data, participating=None):
+            new, info, contacted = self._round(state, data, participating, silo_data)
             loss = _round_loss(info, runtime)
             if stable_update:
                 new = _keep_if_finite(new, state, loss)
@@ -551,13 +567,15 @@ class Driver:
         compiled = {}
 
         def scans(length: int):
-            if length not in compiled:
-                compiled[length] = jax.jit(
-                    partial(lax.scan, lambda s, _: step_fn(s), length=length)
+            def rounds(state, silo_data):
+                return lax.scan(
+                    lambda s, _: step_fn(s, silo_data), state, length=length
                 )
+
+            if length not in compiled:
+                compiled[length] = jax.jit(rounds)
             return compiled[length]
 
-        self._built["run"] = (data, options, (step, step_fn, scans))
         return step, step_fn, scans
 
 

@@ -21,6 +21,7 @@ from numpyro_fed.algorithms.vertical_sfvi import (
     check_local_steps,
     name_key_data,
     num_phases,
+    recording,
     row_errors,
     vertical_sfvi,
 )
@@ -193,7 +194,9 @@ class VerticalSFVI(Driver):
     def _bound(self) -> VerticalStructure:
         """The structure :meth:`setup` bound (an error before it)."""
         if self.structure is None:
-            raise RuntimeError("VerticalSFVI has no model structure yet: call setup first.")
+            raise RuntimeError(
+                "VerticalSFVI has no model structure yet: call setup first."
+            )
         return self.structure
 
     # ------------------------------------------------------------ construction
@@ -292,6 +295,10 @@ class VerticalSFVI(Driver):
             self._built["round"] = entry
         return entry[2], entry[3]
 
+    def _run_key(self, data: VerticalData) -> Any:
+        # the algorithm holds the server's view of these data: one loop per object
+        return (id(data), self._groups)
+
     def _silo_groups(self) -> tuple:
         parties = self._bound.parties
         return tuple(tuple(parties.index(p) for p in g) for g in self.party_groups)
@@ -299,7 +306,9 @@ class VerticalSFVI(Driver):
     def _round_fn(self, algorithm, groups: tuple) -> Callable:
         phases = num_phases(self._bound.kind)
         if self.runtime == "sequential":
-            algorithm = self._recorded(jit_algorithm(algorithm))
+            algorithm = jit_algorithm(algorithm)
+            if self.record_messages:
+                algorithm = recording(algorithm, self._bound.kind, self.messages)
 
         def round_fn(server, silos, data, server_key, silo_keys, participating):
             keys = tuple(silo_keys[np.asarray(g)] for g in groups)
@@ -327,30 +336,6 @@ class VerticalSFVI(Driver):
             return server, silos, info._replace(rejected=rejected)
 
         return jax.jit(round_fn) if self.runtime == "simulate" else round_fn
-
-    def _recorded(self, algorithm):
-        """``algorithm`` whose party step logs what crosses the wire (sequential)."""
-        if not self.record_messages:
-            return algorithm
-        update = num_phases(self._bound.kind) - 1
-
-        def silo_step(message, state, data, key):
-            reply, state = algorithm.silo_step(message, state, data, key)
-            if not isinstance(message.broadcast.phase, jax.core.Tracer):
-                ((party, _),) = data.arrays.items()
-                phase = int(message.broadcast.phase)
-                if phase == update:
-                    self._log(SERVER, party, message.routed)
-                else:
-                    if phase > 0:
-                        self._log(SERVER, party, message.broadcast)
-                    self._log(party, SERVER, reply)
-            return reply, state
-
-        return algorithm._replace(silo_step=silo_step)
-
-    def _log(self, sender: str, receiver: str, message: Any) -> None:
-        self.messages.append((len(self.messages), sender, receiver, message))
 
     # ------------------------------------------------------------------ layout
     @property
@@ -524,7 +509,7 @@ class VerticalSFVI(Driver):
         state = jax.tree.map(
             lambda x, y: jax.lax.convert_element_type(x, y.dtype), state, shapes
         )
-        self.messages = []
+        self.messages.clear()
         _, info = self.update_with_info(state, data)
         elbos = {
             SERVER: info.server_elbo,
@@ -537,7 +522,7 @@ class VerticalSFVI(Driver):
                 "data at initialization: it reads arrays, latents or contributions its "
                 "owner does not hold (or the model is invalid at the prior's center)."
             )
-        self.messages = []
+        self.messages.clear()
         return state
 
     def update_with_info(self, state, data, participating=None):

@@ -88,3 +88,27 @@ def test_init_equals_the_separate_initial_steps(guide):
     for a, b in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("progress_bar", [False, True], ids=["scan", "loop"])
+def test_a_run_on_new_data_of_the_same_layout_compiles_no_round(progress_bar):
+    """The run loop takes the silos' data as an argument (as NumPyro's SVI does):
+    new values of the same layout reuse the compiled rounds, and the run sees them
+    (it equals a fresh object's run on those data)."""
+    fed = nf.federate(glmm, silos="unit")
+    first, second = _one_unit_silos(6), _one_unit_silos(6)
+    second = nf.FederatedData.from_groups(
+        np.arange(6),
+        X=-np.asarray(second.arrays["X"][:, 0]),
+        y=second.arrays["y"][:, 0],
+    )
+    svi = nf.SFVI(fed, nf.AutoMeanField(fed), optax.adam(0.05))
+    key = jax.random.key(0)
+    svi.run(key, 5, first, progress_bar=progress_bar)
+    state = svi.init(key, second)
+    with count_compiles() as names:
+        again = svi.run(key, 5, second, progress_bar=progress_bar, init_state=state)
+    assert not {"jit(rounds)", "jit(step)"}.intersection(names), names
+    fresh = nf.SFVI(fed, nf.AutoMeanField(fed), optax.adam(0.05))
+    alone = fresh.run(key, 5, second, progress_bar=progress_bar)
+    np.testing.assert_array_equal(again.losses, alone.losses)
