@@ -86,8 +86,6 @@ def environment(home: Path, cache: Path | None) -> dict:
         FLWR_DISABLE_UPDATE_CHECK="1",
         FLWR_HOME=str(home),
         PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
-        # the SuperNode's SuperExec asks for tasks every second by default
-        FLWR_SUPEREXEC_TASK_POLL_INTERVAL="0.1",
         PYTHONPATH=os.pathsep.join(
             [str(Path(nf.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]
         ),
@@ -119,6 +117,13 @@ class Deployment:
         self.home = workdir / "flwr-home"
         self.home.mkdir(exist_ok=True)
         self.env = environment(self.home, workdir / "jax-cache" if cache else None)
+        if fast_poll:  # the ServerApp retries objects not yet pushed quickly too
+            self.env["NUMPYRO_FED_QUICK_PULLS"] = "1"
+        if not worker:
+            # A SuperNode's SuperExec asks it for a ClientApp task every second by
+            # default. (The SuperLink's asks for the ServerApp's, once a run: at
+            # 0.1 s its idle requests would cost the SuperLink CPU every round.)
+            self.env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = "0.1"
         self.processes: list[subprocess.Popen] = []
         self.started: set[int] = set()
         #: silo -> the processes that serve it (its SuperNode, its ClientApp worker)
