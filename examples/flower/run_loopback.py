@@ -424,7 +424,8 @@ def parse_args(argv=None):
     parser.add_argument(
         "--slow-poll",
         action="store_true",
-        help="Flower's SuperNode as it is (3 s between polls when idle)",
+        help="Flower's SuperNode (3 s between polls when idle) and its retries of "
+        "objects pulled too early (1 s, doubling) as shipped",
     )
     parser.add_argument("--workdir", default=None, help="kept if given")
     parser.add_argument("--summary", default=None, help="write a JSON summary here")

@@ -88,7 +88,7 @@ def to_record(flat: dict) -> ConfigRecord | ArrayRecord:
     A flat dict of arrays (:func:`~numpyro_fed.runtime.codec.encode`) as one Flower
     record; :func:`from_record` gives it back exactly (names, shapes, dtypes).
 
-    Up to :data:`PACK_LIMIT` bytes it is one ``ConfigRecord`` (a JSON list of the
+    Up to ``PACK_LIMIT`` bytes (4 MiB) it is one ``ConfigRecord`` (a JSON list of the
     fields and their bytes, one after the other): Flower moves a message as a tree of
     objects with one request per object and hop, and an ``ArrayRecord`` of ``n``
     arrays is ``2 n + 1`` objects. Larger dicts are an ``ArrayRecord``, which Flower
