@@ -235,6 +235,9 @@ class Deployment:
         of its own process group, started here), as a machine that dies would
         stop; their pids."""
         pids = descendants([p.pid for p in self.nodes[silo]])
+        # marked first: submit(), in another thread, takes an exit it did not
+        # expect for a failure of the deployment
+        self.killed.update(p.pid for p in self.nodes[silo])
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -242,7 +245,6 @@ class Deployment:
                 pass
         for p in self.nodes[silo]:
             p.wait(timeout=10)
-        self.killed.update(p.pid for p in self.nodes[silo])
         return pids
 
     def left(self) -> list[int]:
