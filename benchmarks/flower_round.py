@@ -32,7 +32,8 @@ and imports are those of the run's first message).
 
 Run: ``python benchmarks/flower_round.py`` (writes
 ``benchmarks/results/flower_round.json``; a few minutes); ``--variants long-lived``
-runs only the simulate runtime and that deployment.
+runs only the simulate runtime and that deployment; ``--trace DIR`` logs every
+request of every loopback process (``benchmarks/flower_trace/``).
 """
 
 import argparse
@@ -217,6 +218,12 @@ def loopback(args, data, rounds, **options):
     deployment = run_loopback.Deployment(workdir, files, **options)
     timing = workdir / "timing.jsonl"
     deployment.env["NUMPYRO_FED_TIMING"] = str(timing)
+    if args.trace:  # every process logs its requests (flower_trace/sitecustomize.py)
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
+        deployment.env["NUMPYRO_FED_TRACE"] = str(Path(args.trace).resolve())
+        deployment.env["PYTHONPATH"] = os.pathsep.join(
+            [str(HERE / "flower_trace"), deployment.env["PYTHONPATH"]]
+        )
     config = {**config_of(args, rounds), "progress": str(workdir / "progress")}
     with deployment:
         sampler = CpuSampler(deployment, workdir / "progress")
@@ -331,6 +338,12 @@ if __name__ == "__main__":
         default="engine,defaults,cache,long-lived",
         help="what to run beside simulate, comma-separated: engine (the simulation "
         "engine) and the loopback variants defaults, cache, long-lived",
+    )
+    parser.add_argument(
+        "--trace",
+        default=None,
+        help="a directory: every loopback process logs its Flower requests there "
+        "(read with benchmarks/flower_trace/phases.py; slows the processes)",
     )
     parser.add_argument("--out", default="benchmarks/results/flower_round.json")
     main(parser.parse_args())
