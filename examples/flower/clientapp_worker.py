@@ -45,6 +45,7 @@ from flwr.supernode.runtime.run_clientapp import (
     push_message,
     push_task_output,
 )
+import quick_pulls
 
 
 def _client(address, insecure, *interceptors):
@@ -118,4 +119,6 @@ if __name__ == "__main__":
     parser.add_argument("--insecure", action="store_true")
     parser.add_argument("--poll", type=float, default=0.1, help="seconds")
     os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
+    # the node creates our task before it has pulled the message's objects
+    quick_pulls.install()
     main(parser.parse_args())

@@ -30,6 +30,11 @@ from numpyro_fed.infer.driver import FederatedState  # noqa: E402
 from numpyro_fed.protocol import SiloData  # noqa: E402
 from numpyro_fed.runtime import flower  # noqa: E402
 
+if os.environ.get("NUMPYRO_FED_QUICK_PULLS") == "1":  # see quick_pulls.py
+    import quick_pulls  # noqa: E402
+
+    quick_pulls.install()  # the ServerApp pulls the nodes' replies
+
 
 def logistic(X, y=None):
     w = numpyro.sample("w", dist.Normal(0.0, 1.0).expand([X.shape[-1]]).to_event(1))

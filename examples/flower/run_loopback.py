@@ -86,8 +86,6 @@ def environment(home: Path, cache: Path | None) -> dict:
         FLWR_DISABLE_UPDATE_CHECK="1",
         FLWR_HOME=str(home),
         PATH=os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")]),
-        # the SuperNode's SuperExec asks for tasks every second by default
-        FLWR_SUPEREXEC_TASK_POLL_INTERVAL="0.1",
         PYTHONPATH=os.pathsep.join(
             [str(Path(nf.__file__).resolve().parents[1]), env.get("PYTHONPATH", "")]
         ),
@@ -119,6 +117,13 @@ class Deployment:
         self.home = workdir / "flwr-home"
         self.home.mkdir(exist_ok=True)
         self.env = environment(self.home, workdir / "jax-cache" if cache else None)
+        if fast_poll:  # the ServerApp retries objects not yet pushed quickly too
+            self.env["NUMPYRO_FED_QUICK_PULLS"] = "1"
+        if not worker:
+            # A SuperNode's SuperExec asks it for a ClientApp task every second by
+            # default. (The SuperLink's asks for the ServerApp's, once a run: at
+            # 0.1 s its idle requests would cost the SuperLink CPU every round.)
+            self.env["FLWR_SUPEREXEC_TASK_POLL_INTERVAL"] = "0.1"
         self.processes: list[subprocess.Popen] = []
         self.started: set[int] = set()
         #: silo -> the processes that serve it (its SuperNode, its ClientApp worker)
@@ -230,6 +235,9 @@ class Deployment:
         of its own process group, started here), as a machine that dies would
         stop; their pids."""
         pids = descendants([p.pid for p in self.nodes[silo]])
+        # marked first: submit(), in another thread, takes an exit it did not
+        # expect for a failure of the deployment
+        self.killed.update(p.pid for p in self.nodes[silo])
         for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -237,7 +245,6 @@ class Deployment:
                 pass
         for p in self.nodes[silo]:
             p.wait(timeout=10)
-        self.killed.update(p.pid for p in self.nodes[silo])
         return pids
 
     def left(self) -> list[int]:
@@ -419,7 +426,8 @@ def parse_args(argv=None):
     parser.add_argument(
         "--slow-poll",
         action="store_true",
-        help="Flower's SuperNode as it is (3 s between polls when idle)",
+        help="Flower's SuperNode (3 s between polls when idle) and its retries of "
+        "objects pulled too early (1 s, doubling) as shipped",
     )
     parser.add_argument("--workdir", default=None, help="kept if given")
     parser.add_argument("--summary", default=None, help="write a JSON summary here")

@@ -7,8 +7,8 @@ The server's ``@app.main()`` loop runs :class:`~numpyro_fed.runtime.remote.Remot
 (``select``, ``server_message``, ``server_step``); each node's ``train`` handler runs
 :class:`~numpyro_fed.runtime.remote.RemoteSilo` (``silo_step``) on the node's own data,
 keeping the silo state in ``context.state``, which never leaves the node. Messages
-and replies travel as one ``ArrayRecord`` of the codec's flat dict. There is no
-``Strategy`` and nothing here names an algorithm.
+and replies travel as one record of the codec's flat dict (:func:`to_record`). There
+is no ``Strategy`` and nothing here names an algorithm.
 
 This is the only module that imports ``flwr``: install it with
 ``pip install "numpyro-fed[flower]"``.
@@ -30,6 +30,7 @@ loads on the server and on every node)::
     client = flower.client_app(federation, load_silo)
 """
 
+import json
 import logging
 import os
 import secrets
@@ -62,13 +63,19 @@ from numpyro_fed.runtime.checkpoint import (
 from numpyro_fed.runtime.codec import TemplateMismatch, decode, encode
 from numpyro_fed.runtime.remote import Federation, RemoteServer, RemoteSilo
 
-__all__ = ["FlowerRun", "client_app", "serve", "server_app"]
+__all__ = ["FlowerRun", "client_app", "from_record", "serve", "server_app", "to_record"]
 
 logger = logging.getLogger(__name__)
 
 #: Record names inside a Flower message.
 CONTENT, CONFIG, STATE, ROOT = "content", "config", "silo_state", "silo_root"
 DONE = "rounds_done"
+#: Fields of a packed record (:func:`to_record`).
+PACKED, DATA = "fields", "data"
+#: Bytes up to which :func:`to_record` packs a flat dict into one ``ConfigRecord``
+#: (Flower splits an ``ArrayRecord``'s arrays into 5 MiB chunks; a record of its own
+#: is not split).
+PACK_LIMIT = 4 * 2**20
 #: The name of a fit when an app runs only one.
 DEFAULT = "fit"
 #: Seconds between the server's polls for replies (``Grid.send_and_receive`` of a
@@ -76,12 +83,48 @@ DEFAULT = "fit"
 POLL_INTERVAL = 0.02
 
 
-def _to_record(flat: dict) -> ArrayRecord:
-    return ArrayRecord({name: Array(np.asarray(x)) for name, x in flat.items()})
+def to_record(flat: dict) -> ConfigRecord | ArrayRecord:
+    """
+    A flat dict of arrays (:func:`~numpyro_fed.runtime.codec.encode`) as one Flower
+    record; :func:`from_record` gives it back exactly (names, shapes, dtypes).
+
+    Up to ``PACK_LIMIT`` bytes (4 MiB) it is one ``ConfigRecord`` (a JSON list of the
+    fields, then their bytes): Flower moves a message as a tree of objects, one
+    request per object and hop, and an ``ArrayRecord`` of ``n`` arrays is
+    ``2 n + 1`` objects. Larger dicts are an ``ArrayRecord`` (Flower chunks it).
+
+    :param dict flat: ``{name: array}``; no object or structured dtypes.
+    """
+    arrays = {name: np.asarray(x) for name, x in flat.items()}
+    if sum(x.nbytes for x in arrays.values()) > PACK_LIMIT:
+        return ArrayRecord({name: Array(x) for name, x in arrays.items()})
+    fields = []
+    for name, x in arrays.items():
+        if x.dtype.hasobject or x.dtype.fields is not None:
+            raise TypeError(f"field {name} has dtype {x.dtype}, which cannot be sent.")
+        # ml_dtypes' types (bfloat16, ...) have a void .str; their name round-trips
+        dtype = x.dtype.name if x.dtype.kind == "V" else x.dtype.str
+        fields.append([name, dtype, list(x.shape)])
+    data = b"".join(x.tobytes() for x in arrays.values())
+    return ConfigRecord({PACKED: json.dumps(fields), DATA: data})
 
 
-def _from_record(record: ArrayRecord) -> dict:
-    return {name: array.numpy() for name, array in record.items()}
+def from_record(record: Any) -> dict:
+    """The flat dict of arrays that :func:`to_record` made ``record`` from."""
+    if isinstance(record, ArrayRecord):
+        return {name: array.numpy() for name, array in record.items()}
+    data, fields = record[DATA], record[PACKED]
+    if not isinstance(data, bytes) or not isinstance(fields, str):
+        raise TypeError(f"not a record of arrays: {type(record).__name__}.")
+    offset, flat = 0, {}
+    for name, dtype, shape in json.loads(fields):
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        flat[name] = np.frombuffer(data, dtype, count, offset).reshape(shape).copy()
+        offset += count * dtype.itemsize
+    if offset != len(data):
+        raise ValueError(f"a packed record holds {len(data) - offset} bytes too many.")
+    return flat
 
 
 _R = TypeVar("_R", ArrayRecord, ConfigRecord)
@@ -327,7 +370,7 @@ def _exchange(
     record = ConfigRecord(config)
     messages = [
         Message(
-            RecordDict({CONTENT: _to_record(message), CONFIG: record}),
+            RecordDict({CONTENT: to_record(message), CONFIG: record}),
             dst_node_id=nodes[j],
             message_type="train",
         )
@@ -348,7 +391,7 @@ def _exchange(
                 reply.error.reason,
             )
             continue
-        replies[j] = _from_record(_record(reply.content, CONTENT, ArrayRecord))
+        replies[j] = from_record(reply.content[CONTENT])
     missing = sorted(set(flat) - set(replies))
     if missing:
         logger.warning(
@@ -474,15 +517,14 @@ def client_app(
             rounds = [b for b in range(max(done, 1), t + 1) if b % every == 0][-2:]
             for b in rounds:
                 _save_silo(directory, silo, state, b, context)
-        content = _from_record(_record(message.content, CONTENT, ArrayRecord))
-        reply, state = silo.step(content, state, t)
-        context.state[f"{name}/{STATE}"] = _to_record(state)
+        reply, state = silo.step(from_record(message.content[CONTENT]), state, t)
+        context.state[f"{name}/{STATE}"] = to_record(state)
         context.state[f"{name}/{DONE}"] = ConfigRecord(
             {"rounds": t + 1, "start": start}
         )
         if directory is not None and every and (t + 1) % every == 0:
             _save_silo(directory, silo, state, t + 1, context)
-        return Message(RecordDict({CONTENT: _to_record(reply)}), reply_to=message)
+        return Message(RecordDict({CONTENT: to_record(reply)}), reply_to=message)
 
     return app
 
@@ -499,11 +541,11 @@ def _silo_state(
     any, the silo had not stepped by then and starts fresh."""
     start = config["start"]
     if f"{name}/{STATE}" in context.state:
-        state = _record(context.state, f"{name}/{STATE}", ArrayRecord)
+        state = context.state[f"{name}/{STATE}"]
         done = _record(context.state, f"{name}/{DONE}", ConfigRecord)
         rounds, served = _int(done, "rounds"), _int(done, "start")
         if served == start or rounds <= start:
-            return _from_record(state), rounds
+            return from_record(state), rounds
         if directory is None:
             raise RuntimeError(
                 f"fit {name!r}: the server resumed from round {start}, which this "

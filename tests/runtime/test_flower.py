@@ -137,3 +137,41 @@ def test_a_new_run_refuses_a_directory_that_holds_checkpoints(tmp_path):
         flower.serve(None, fed, 3, checkpoint_every=1, checkpoint_dir=str(tmp_path))
     with pytest.raises(ValueError, match="need a checkpoint_dir"):
         flower.serve(None, fed, 3, resume=True)
+
+
+@pytest.mark.parametrize("limit", [flower.PACK_LIMIT, 0])
+def test_records_give_back_the_flat_dict_exactly(monkeypatch, limit):
+    """Packed in one ConfigRecord (the default for small dicts) or, past the limit,
+    as an ArrayRecord: the same names, shapes, dtypes and bits."""
+    from flwr.app import ArrayRecord, ConfigRecord
+    import ml_dtypes
+
+    monkeypatch.setattr(flower, "PACK_LIMIT", limit)
+    rng = np.random.default_rng(0)
+    flat = {
+        "['loc']": rng.normal(size=(3, 2)).astype(np.float32),
+        "['scale'][0]": np.float64(np.pi).reshape(()),
+        "['key']": np.array([7, 2**32 - 1], np.uint32),
+        "['mask']": np.array([True, False, True]),
+        "['empty']": np.zeros((0, 4), np.int64),
+        "['strided']": np.arange(12, dtype=np.int16).reshape(3, 4)[:, ::2],
+        "['big endian']": np.arange(3, dtype=">f8"),
+    }
+    if limit:  # Flower's Array (np.save) loses ml_dtypes' types; the packing keeps them
+        flat["['bf16']"] = np.array([1.5, -2.0], ml_dtypes.bfloat16)
+    record = flower.to_record(flat)
+    assert isinstance(record, ConfigRecord if limit else ArrayRecord)
+    back = flower.from_record(record)
+    assert list(back) == list(flat)
+    for name, x in flat.items():
+        assert back[name].dtype == x.dtype and back[name].shape == x.shape, name
+        assert back[name].tobytes() == np.asarray(x).tobytes(), name
+
+
+def test_a_packed_record_refuses_objects_and_trailing_bytes():
+    with pytest.raises(TypeError, match="field a has dtype object"):
+        flower.to_record({"a": np.array([None])})
+    record = flower.to_record({"a": np.zeros(2, np.float32)})
+    record[flower.DATA] = record[flower.DATA] + b"\0"
+    with pytest.raises(ValueError, match="1 bytes too many"):
+        flower.from_record(record)

@@ -62,7 +62,6 @@ def _loader(name):
 
 
 def _faulty_client():
-    from flwr.app import ArrayRecord
     from flwr.clientapp import ClientApp
 
     inner = flower.client_app(
@@ -89,11 +88,9 @@ def _faulty_client():
             time.sleep(30.0)
         reply = inner(message, context)
         if name == "malformed" and j == 1 and t == 1:
-            content = reply.content["content"]
-            first = sorted(content.keys())[0]
-            reply.content["content"] = ArrayRecord(
-                {k: v for k, v in content.items() if k != first}
-            )
+            flat = flower.from_record(reply.content["content"])
+            del flat[sorted(flat)[0]]
+            reply.content["content"] = flower.to_record(flat)
         return reply
 
     return app
