@@ -13,8 +13,8 @@ block per child, school or row), so the family does not change when units move
 between silos: that is what makes SFVI partition-invariant.
 """
 
-from functools import partial
 from collections.abc import Sequence
+from functools import partial
 from typing import Any, Callable
 
 import jax

@@ -14,8 +14,8 @@ Parameters come in two layouts:
   returns, or ``nf.SFVI(...).pooled_params(result.params, data)``; local parameters
   are one row per unit of the model's silo plate, and local sites come back in the
   model's shapes.
-- **stacked** (a :class:`~numpyro_fed.SFVIParams` or
-  :class:`~numpyro_fed.PVIParams`, what a federated fit returns): local parameters
+- **stacked** (a :class:`~numpyro_fed.infer.vi.SFVIParams` or
+  :class:`~numpyro_fed.infer.pvi.PVIParams`, what a federated fit returns): local parameters
   are stacked ``(J, P, ...)`` by silo, and local sites come back with a leading silo
   axis, padded units included, as ``nf.SFVI.sample_posterior(..., data=None)``
   returns them. A deployed server's parameters (no local part) give the global
@@ -53,7 +53,9 @@ _WHAT_TO_PASS = (
 )
 
 
-def split_params(guide: "AutoGlobalLocalNormal", params: Any) -> tuple[dict, dict, bool]:
+def split_params(
+    guide: "AutoGlobalLocalNormal", params: Any
+) -> tuple[dict, dict, bool]:
     """``(eta_global, eta_local, stacked)`` of ``params`` in either layout (module
     docstring); ``stacked`` is True for a federated fit's parameters.
 
@@ -85,7 +87,7 @@ def split_params(guide: "AutoGlobalLocalNormal", params: Any) -> tuple[dict, dic
             )
         return eta_g, eta_l, True
     raise TypeError(
-        f"params must be a dict or nf.SFVIParams; got {type(params).__name__}: "
+        f"params must be a dict or an SFVIParams; got {type(params).__name__}: "
         f"{_WHAT_TO_PASS}."
     )
 

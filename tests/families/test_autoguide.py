@@ -17,6 +17,7 @@ from scipy import stats
 
 import numpyro_fed as nf
 from numpyro_fed.families.structured import GLOBAL_PREFIX, LOCAL_PREFIX
+from numpyro_fed.infer.pvi import PVIParams
 from tests import _models as m
 from tests.families.test_structured import _joint_moments, _random_params
 
@@ -137,10 +138,7 @@ def test_get_posterior_is_the_joint_gaussian(family):
     _, guide = make_guide(family)
     params, _ = random_params(guide, jax.random.key(2))
     eta_g = {k: params[GLOBAL_PREFIX + k] for k in ("loc", "scale", "tril")}
-    eta_l = {
-        k: params[LOCAL_PREFIX + k]
-        for k in ("loc", "scale", "coupling")
-    }
+    eta_l = {k: params[LOCAL_PREFIX + k] for k in ("loc", "scale", "coupling")}
     if family == "full":
         eta_l["tril"] = params[LOCAL_PREFIX + "tril"]
         mean, cov = _joint_moments(eta_g, eta_l)
@@ -204,6 +202,8 @@ def test_on_a_federated_fit(family):
     np.testing.assert_allclose(
         data.gather_units(median["b"]), reference["b"], rtol=1e-12
     )
+    # PVI's parameters have the same layout.
+    np.testing.assert_array_equal(guide.median(PVIParams(*stacked))["b"], median["b"])
     q = guide.quantiles(stacked, [0.1, 0.9])
     assert q["b"].shape == (2, 3, data.padded_size, 1, 2)
     np.testing.assert_allclose(
