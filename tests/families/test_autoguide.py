@@ -227,10 +227,11 @@ def test_on_a_federated_fit(family):
     )
 
 
-def test_predictive_on_a_federated_model():
+@pytest.mark.parametrize("family", ["full", "amortized"])
+def test_predictive_on_a_federated_model(family):
     """numpyro.infer.Predictive with the guide and a federated fit's parameters, on
     the pooled data: every site of the model, num_samples first."""
-    fed, guide, svi, result, data = fit_federated("full")
+    fed, guide, svi, result, data = fit_federated(family)
     params = svi.pooled_params(result.params, data)
     sites = ["mu", "tau", "b", "y"]
     predictive = Predictive(fed, guide=guide, params=params, num_samples=6)
