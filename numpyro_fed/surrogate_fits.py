@@ -14,11 +14,13 @@ import numpy as np
 import optax
 
 __all__ = [
+    "curvature_floor",
     "fit_laplace",
     "fit_sgld",
     "fit_taylor",
     "fit_vi",
     "marginal",
+    "proper_curvature",
     "tick",
     "tick_rest",
     "tolerances",
@@ -92,8 +94,8 @@ def fit_laplace(log_target, u0, num_steps, proper, report: Report = None):
 
     Returns the last iterate, the negative Hessian there (made proper by
     :func:`proper_curvature` if it is not), the relative gradient norm before the
-    last step (above :func:`tolerances`' gradient: stopped by ``num_steps``) and whether the
-    curvature had to be clipped. ``proper``: the target includes a share of the
+    last step (above :func:`tolerances`' gradient: stopped by ``num_steps``) and
+    whether the curvature had to be clipped. ``proper``: the target includes a share of the
     prior, so zero curvature is flatness to clip, not a coordinate the silo's
     likelihood does not identify (left for
     :func:`~numpyro_fed.surrogates.check_surrogates` to report)."""
@@ -141,6 +143,8 @@ def fit_laplace(log_target, u0, num_steps, proper, report: Report = None):
 
 
 def curvature_floor(eig):
+    """The smallest curvature a fit keeps: the dtype's floor relative to the
+    largest eigenvalue ``eig`` (:func:`tolerances`)."""
     return tolerances(eig.dtype)[3] * jnp.max(jnp.abs(eig))
 
 

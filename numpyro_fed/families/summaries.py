@@ -15,11 +15,11 @@ Parameters come in two layouts:
   are one row per unit of the model's silo plate, and local sites come back in the
   model's shapes.
 - **stacked** (a :class:`~numpyro_fed.infer.vi.SFVIParams` or
-  :class:`~numpyro_fed.infer.pvi.PVIParams`, what a federated fit returns): local parameters
-  are stacked ``(J, P, ...)`` by silo, and local sites come back with a leading silo
-  axis, padded units included, as ``nf.SFVI.sample_posterior(..., data=None)``
-  returns them. A deployed server's parameters (no local part) give the global
-  sites only.
+  :class:`~numpyro_fed.infer.pvi.PVIParams`, what a federated fit returns): local
+  parameters are stacked ``(J, P, ...)`` by silo, and local sites come back with a
+  leading silo axis, padded units included (``data.gather_units`` of a
+  :class:`~numpyro_fed.FederatedData` turns one into the pooled layout). A deployed
+  server's parameters (no local part) give the global sites only.
 """
 
 from collections.abc import Mapping, Sequence
