@@ -29,11 +29,19 @@ import jax
 from jax.flatten_util import ravel_pytree
 import jax.numpy as jnp
 import numpy as np
-import optax
+from tqdm.auto import tqdm
 
 from numpyro_fed.checks import check_count
 from numpyro_fed.expfam import GaussianNat
 from numpyro_fed.potentials import FederatedPotential, federated_potential
+from numpyro_fed.surrogate_fits import (
+    fit_laplace,
+    fit_sgld,
+    fit_taylor,
+    fit_vi,
+    marginal,
+    tolerances,
+)
 
 __all__ = ["check_surrogates", "fit_surrogates"]
 
@@ -42,18 +50,6 @@ _NOT_IDENTIFIED = (
     "its likelihood may not identify every global coordinate: fit with "
     "prior_power > 0, or with more data on that silo"
 )
-
-
-def _tolerances(dtype: Any) -> tuple[float, float, float, float]:
-    """``(eps, gradient, round-off, floor)`` of ``dtype``: the Laplace fit has
-    reached its mode when its gradient relative to the target is below sqrt(eps)
-    (1.5e-8 in float64, 3.5e-4 in float32: round-off in a silo's summed gradient
-    keeps it about there); an eigenvalue below round-off relative to the largest is
-    round-off of a singular Hessian; clipped curvature is raised to the floor
-    relative to the largest (above round-off, so it passes check_surrogates)."""
-    dtype = np.dtype(dtype)
-    eps = float(np.finfo(dtype if dtype.kind in "fc" else np.float64).eps)
-    return eps, eps**0.5, max(1e-10, 10 * eps), max(1e-8, 1000 * eps)
 
 
 def check_surrogates(
@@ -132,7 +128,7 @@ def _check(
         else:
             eig = p
         smallest = float(eig.min())
-        eps, _, round_off, _ = _tolerances(precision.dtype)
+        eps, _, round_off, _ = tolerances(precision.dtype)
         # Relative threshold: a rank-deficient Hessian leaves round-off, not zeros.
         if not smallest > round_off * float(np.abs(eig).max()):
             raise ValueError(
@@ -171,188 +167,6 @@ def _silo_objective(
         return value
 
     return log_target, flat_local
-
-
-def _marginal(mean, cov_or_precision, dim, diagonal, is_precision):
-    """Natural parameters of the z_G marginal of a joint Gaussian."""
-    if is_precision:
-        h = cov_or_precision
-        if h.shape[0] > dim:
-            h_gg, h_gl, h_ll = h[:dim, :dim], h[:dim, dim:], h[dim:, dim:]
-            prec = h_gg - h_gl @ jnp.linalg.solve(h_ll, h_gl.T)
-        else:
-            prec = h
-        prec = 0.5 * (prec + prec.T)
-        if diagonal:
-            prec = 1.0 / jnp.diag(jnp.linalg.inv(prec))
-    elif cov_or_precision.ndim == 1:  # a mean-field fit: variances
-        prec = 1.0 / cov_or_precision[:dim]
-    else:
-        cov = cov_or_precision[:dim, :dim]
-        prec = 1.0 / jnp.diag(cov) if diagonal else jnp.linalg.inv(cov)
-    mu = mean[:dim]
-    shift = prec * mu if diagonal else prec @ mu
-    return prec, shift
-
-
-def _fit_laplace(log_target, u0, num_steps, proper):
-    """Mode by damped Newton (Levenberg-Marquardt): a step is kept only if it lowers
-    the loss, and the damping shrinks after a success and grows after a failure, so
-    it is Newton near a mode and gradient descent far from one. Exact in one step on
-    a Gaussian target, and much cheaper to compile than a line-search quasi-Newton.
-
-    Returns the last iterate, the negative Hessian there (made proper by
-    :func:`_proper_curvature` if it is not), the relative gradient norm before the
-    last step (above :func:`_tolerances`' gradient: stopped by ``num_steps``) and whether the
-    curvature had to be clipped. ``proper``: the target includes a share of the
-    prior, so zero curvature is flatness to clip, not a coordinate the silo's
-    likelihood does not identify (left for :func:`check_surrogates` to report)."""
-    _, tol, round_off, _ = _tolerances(u0.dtype)
-    loss = lambda u: -log_target(u)
-    eye = jnp.eye(u0.shape[0], dtype=u0.dtype)
-
-    def cond(carry):
-        _, _, i, gnorm = carry
-        return (i < num_steps) & (gnorm > tol)
-
-    def body(carry):
-        u, damping, i, _ = carry
-        value, grad = jax.value_and_grad(loss)(u)
-        hess = jax.hessian(loss)(u)
-        proposal = u - jnp.linalg.solve(hess + damping * eye, grad)
-        better = loss(proposal) <= value
-        u = jnp.where(better, proposal, u)
-        damping = jnp.where(better, damping / 10, damping * 10)
-        # The gradient scales with the silo's size: compare it to |value| + 1. It
-        # is the gradient before this step, so a converged fit ends with one more
-        # Newton step, which takes it to round-off.
-        gnorm = jnp.max(jnp.abs(grad)) / (jnp.abs(value) + 1.0)
-        return u, jnp.clip(damping, 1e-12, 1e12), i + 1, gnorm
-
-    start = (u0, jnp.asarray(1e-3, u0.dtype), jnp.zeros((), jnp.int32), jnp.inf)
-    u, _, _, gnorm = jax.lax.while_loop(cond, body, start)
-    hess = jax.hessian(loss)(u)
-    eig, vec = jnp.linalg.eigh(0.5 * (hess + hess.T))
-    # Without a prior share, only curvature that is negative beyond round-off is
-    # clipped: a singular Hessian (a likelihood that does not identify every
-    # coordinate) is left for check_surrogates to report. With one, zero and
-    # round-off curvature are flatness and are clipped too. A proper Hessian is
-    # kept bit for bit.
-    bound = round_off * jnp.max(jnp.abs(eig))
-    improper = eig[0] <= bound if proper else eig[0] < -bound
-    hess = jnp.where(improper, _proper_curvature(eig, vec), hess)
-    return u, hess, gnorm, improper
-
-
-def _curvature_floor(eig):
-    return _tolerances(eig.dtype)[3] * jnp.max(jnp.abs(eig))
-
-
-def _proper_curvature(eig, vec):
-    """The symmetric matrix ``vec diag(eig) vec^T`` with eigenvalues raised to a small
-    positive floor: a proper Gaussian that is nearly flat where the target curves
-    down, so a conducive gradient does (almost) nothing in those directions."""
-    return (vec * jnp.maximum(eig, _curvature_floor(eig))) @ vec.T
-
-
-def _fit_taylor(log_target, u0):
-    """Second-order Taylor expansion of the log target at ``u0``, as a Gaussian: the
-    negative Hessian with its negative curvature clipped to a small positive floor
-    (so the Gaussian is proper), centred one Newton step from ``u0``. Its gradient
-    equals the target's at ``u0`` exactly, which is what makes it a good control
-    variate near ``u0`` (the idea of SGLD-CV, Baker et al. 2019). Also returns the
-    gradient, which the diagonal form reuses."""
-    grad = jax.grad(log_target)(u0)
-    hess = -jax.hessian(log_target)(u0)
-    eig, vec = jnp.linalg.eigh(0.5 * (hess + hess.T))
-    eig = jnp.maximum(eig, _curvature_floor(eig))
-    precision = (vec * eig) @ vec.T
-    mean = u0 + (vec / eig) @ (vec.T @ grad)
-    return mean, precision, grad
-
-
-def _fit_sgld(
-    log_target, u0, key, step_size, num_warmup, num_samples, thinning, dim, diagonal
-):
-    grad = jax.grad(log_target)
-
-    def langevin(u, k):
-        noise = jax.random.normal(k, u.shape) * jnp.sqrt(step_size)
-        return u + 0.5 * step_size * grad(u) + noise
-
-    def step(u, k):
-        if thinning == 1:  # the unthinned chain keeps its keys, hence its draws
-            return langevin(u, k)
-        return jax.lax.fori_loop(
-            0, thinning, lambda i, u: langevin(u, jax.random.fold_in(k, i)), u
-        )
-
-    warm_key, key = jax.random.split(key)
-    u = jax.lax.fori_loop(
-        0, num_warmup, lambda i, u: langevin(u, jax.random.fold_in(warm_key, i)), u0
-    )
-    anchor = u[:dim]  # sums of deviations from a draw: fewer cancellation errors
-
-    def body(carry, k):
-        u, total, outer = carry
-        u = step(u, k)
-        d = u[:dim] - anchor
-        outer = outer + (d * d if diagonal else jnp.outer(d, d))
-        return (u, total + d, outer), None
-
-    zeros = jnp.zeros((dim,) if diagonal else (dim, dim))
-    keys = jax.random.split(key, num_samples)
-    (u, total, outer), _ = jax.lax.scan(body, (u, jnp.zeros(dim), zeros), keys)
-    mean_d = total / num_samples
-    cov = outer / num_samples - (
-        mean_d * mean_d if diagonal else jnp.outer(mean_d, mean_d)
-    )
-    return anchor + mean_d, cov
-
-
-def _fit_vi(log_target, u0, key, num_steps, learning_rate, num_particles, diagonal):
-    n = u0.shape[0]
-    params = {"loc": u0, "log_scale": jnp.full(n, -1.0)}
-    if not diagonal:
-        params["tril"] = jnp.zeros((n, n))
-
-    def scale_tril(p):
-        d = jnp.exp(p["log_scale"])
-        if diagonal:
-            return d
-        return jnp.tril(p["tril"], -1) + jnp.diag(d)
-
-    def neg_elbo(p, k):
-        eps = jax.random.normal(k, (num_particles, n))
-        L = scale_tril(p)
-        u = p["loc"] + (eps * L if diagonal else eps @ L.T)
-        return -jnp.mean(jax.vmap(log_target)(u)) - jnp.sum(p["log_scale"])
-
-    opt = optax.adam(learning_rate)
-    start = num_steps // 2
-
-    def body(carry, inputs):
-        p, state, total = carry
-        i, k = inputs
-        g = jax.grad(neg_elbo)(p, k)
-        updates, state = opt.update(g, state, p)
-        p = optax.apply_updates(p, updates)
-        # Averaging the second half of the iterates (Polyak) removes most of the
-        # stochastic-gradient jitter of the final iterate.
-        keep = (i >= start).astype(u0.dtype)
-        total = jax.tree.map(lambda t, x: t + keep * x, total, p)
-        return (p, state, total), None
-
-    keys = jax.random.split(key, num_steps)
-    zeros = jax.tree.map(jnp.zeros_like, params)
-    steps = jnp.arange(num_steps)
-    (_, _, total), _ = jax.lax.scan(
-        body, (params, opt.init(params), zeros), (steps, keys)
-    )
-    params = jax.tree.map(lambda t: t / (num_steps - start), total)
-    L = scale_tril(params)
-    cov = L**2 if diagonal else L @ L.T
-    return params["loc"], cov
 
 
 def _warn_unconverged(gnorm, improper, num_steps, tol):
@@ -396,6 +210,7 @@ def fit_surrogates(
     num_particles: int = 8,
     init_params: dict | None = None,
     silo_batch_size: int | None = None,
+    progress_bar: bool = True,
 ) -> GaussianNat:
     """
     Fit one Gaussian :math:`q_s` per silo to the silo's likelihood of the global
@@ -462,6 +277,10 @@ def fit_surrogates(
     :param int silo_batch_size: silos fitted at once (default: all, in one
         :func:`jax.vmap`); a smaller batch bounds the memory a large silo's Hessian
         or Langevin chain takes, at no change to the result.
+    :param bool progress_bar: show one tqdm bar over every silo's steps (Newton,
+        Langevin or Adam steps; a Laplace fit that converges early jumps to its
+        silo's end), updated from inside the compiled fit, at no change to the
+        result.
     :return: the natural parameters :math:`(h_s, \\Lambda_s)`, stacked by silo.
     :rtype: ~numpyro_fed.expfam.GaussianNat
     :raises ValueError: for an unknown method or covariance, a missing step size, or
@@ -521,32 +340,41 @@ def fit_surrogates(
     z_local0 = pot.split(z0)[1]
     dim = pot.global_dim
 
-    def fit_one(arrays, mask, nested, z_local, key):
+    def fit_one(arrays, mask, nested, z_local, key, silo):
         """A silo's natural parameters and, for ``"laplace"``, the relative gradient
         before the last Newton step and whether the curvature had to be clipped."""
+        report = None
+        if progress_bar:
+
+            def report(steps: jax.Array) -> None:
+                # The silo's index is batched under vmap, so every silo reports
+                # its own steps, even where ``steps`` is a constant.
+                jax.debug.callback(lambda _, n: bar.update(int(n)), silo, steps)
+
         log_target, flat_local = _silo_objective(
             pot, prior_power, arrays, mask, nested, z_local
         )
         u0 = jnp.concatenate([pot.flatten(pot.split(z0)[0]), flat_local])
         if method == "laplace":
-            mode, hess, gnorm, improper = _fit_laplace(
-                log_target, u0, num_steps, prior_power > 0
+            mode, hess, gnorm, improper = fit_laplace(
+                log_target, u0, num_steps, prior_power > 0, report
             )
-            return *_marginal(mode, hess, dim, diagonal, True), gnorm, improper
-        return *fit_natural(log_target, u0, key), jnp.zeros(()), jnp.zeros((), bool)
+            return *marginal(mode, hess, dim, diagonal, True), gnorm, improper
+        natural = fit_natural(log_target, u0, key, report)
+        return *natural, jnp.zeros(()), jnp.zeros((), bool)
 
-    def fit_natural(log_target, u0, key):
+    def fit_natural(log_target, u0, key, report):
         if method == "taylor":
-            mean, precision, grad = _fit_taylor(log_target, u0)
+            mean, precision, grad = fit_taylor(log_target, u0, report)
             if diagonal and precision.shape[0] == dim:
                 # The curvature along each axis, not the marginal precision: the
                 # control variate should follow the gradient's change coordinate by
                 # coordinate, and keep the target's gradient at u0.
                 prec = jnp.diag(precision)
                 return prec, prec * u0 + grad
-            return _marginal(mean, precision, dim, diagonal, True)
+            return marginal(mean, precision, dim, diagonal, True)
         if method == "sgld":
-            mean, cov = _fit_sgld(
+            mean, cov = fit_sgld(
                 log_target,
                 u0,
                 key,
@@ -556,28 +384,51 @@ def fit_surrogates(
                 thinning,
                 dim,
                 diagonal,
+                report,
             )
             prec = 1.0 / cov if diagonal else jnp.linalg.inv(cov)
             shift = prec * mean if diagonal else prec @ mean
             return prec, shift
-        mean, cov = _fit_vi(
-            log_target, u0, key, num_steps, learning_rate, num_particles, diagonal
+        mean, cov = fit_vi(
+            log_target,
+            u0,
+            key,
+            num_steps,
+            learning_rate,
+            num_particles,
+            diagonal,
+            report,
         )
-        return _marginal(mean, cov, dim, diagonal, False)
+        return marginal(mean, cov, dim, diagonal, False)
 
+    steps = {"laplace": num_steps, "vi": num_steps, "taylor": 1}
+    per_silo = steps.get(method, num_warmup + num_samples)
+    bar = tqdm(
+        total=data.num_silos * per_silo,
+        desc=f"fit_surrogates ({method}, {data.num_silos} silos)",
+        unit="step",
+        disable=not progress_bar,
+    )
     keys = jax.random.split(fit_key, data.num_silos)
-    inputs = (dict(data.arrays), data.mask, pot.nested, z_local0, keys)
-    if silo_batch_size is None:
-        prec, shift, gnorm, improper = jax.jit(jax.vmap(fit_one))(*inputs)
-    else:
-        # Bounded memory: a Hessian of a silo's full data, vmapped over every silo
-        # at once, can outgrow the machine (30 silos of 3,000 rows and a 500-weight
-        # network ask for ~40 GB).
-        prec, shift, gnorm, improper = jax.jit(
-            lambda a: jax.lax.map(lambda x: fit_one(*x), a, batch_size=silo_batch_size)
-        )(inputs)
+    silos = jnp.arange(data.num_silos)
+    inputs = (dict(data.arrays), data.mask, pot.nested, z_local0, keys, silos)
+    try:
+        if silo_batch_size is None:
+            prec, shift, gnorm, improper = jax.jit(jax.vmap(fit_one))(*inputs)
+        else:
+            # Bounded memory: a Hessian of a silo's full data, vmapped over every
+            # silo at once, can outgrow the machine (30 silos of 3,000 rows and a
+            # 500-weight network ask for ~40 GB).
+            prec, shift, gnorm, improper = jax.jit(
+                lambda a: jax.lax.map(
+                    lambda x: fit_one(*x), a, batch_size=silo_batch_size
+                )
+            )(inputs)
+        jax.effects_barrier()  # every update has reached the bar
+    finally:
+        bar.close()
     if method == "laplace":
-        tol = _tolerances(prec.dtype)[1]
+        tol = tolerances(prec.dtype)[1]
         _warn_unconverged(np.asarray(gnorm), np.asarray(improper), num_steps, tol)
     advice = _NOT_IDENTIFIED
     if prior_power > 0:  # the target is proper: the fit, not the data, is at fault

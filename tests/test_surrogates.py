@@ -5,6 +5,7 @@ conjugate Gaussian silos (with and without local latents), local SGLD moment mat
 and VI recover them within Monte Carlo / optimization error; the natural-parameter
 algebra and the validity checks."""
 
+from functools import partial
 import warnings
 
 import jax
@@ -457,3 +458,50 @@ def test_laplace_in_float32_reaches_the_mode_without_a_warning(float32, covarian
         prec = q.prec[s] if covariance == "diag" else np.diag(q.prec[s])
         np.testing.assert_allclose(prec, [expected, expected], rtol=1e-5)
         np.testing.assert_allclose(q.h[s], x.sum(0), rtol=1e-4, atol=1e-3)
+
+
+class RecordingBar:
+    """Stands in for tqdm: records its total, the steps it was told of and whether it
+    was closed."""
+
+    def __init__(self, bars, *, total, disable, **kwargs):
+        self.total, self.disable, self.done, self.closed = total, disable, 0, False
+        bars.append(self)
+
+    def update(self, n):
+        self.done += n
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize(
+    "method, kwargs, per_silo",
+    [
+        ("laplace", dict(num_steps=40), 40),
+        ("laplace", dict(num_steps=40, silo_batch_size=2), 40),
+        ("taylor", {}, 1),
+        ("sgld", dict(step_size=1e-3, num_warmup=30, num_samples=70), 100),
+        ("vi", dict(num_steps=60, silo_batch_size=2), 60),
+    ],
+    ids=["laplace", "laplace-batched", "taylor", "sgld", "vi-batched"],
+)
+def test_progress_bar_counts_every_silo_step_and_changes_nothing(
+    blobs, monkeypatch, method, kwargs, per_silo
+):
+    """One bar over all silos' steps: it ends at silos x steps exactly (a batched
+    while_loop runs finished silos' bodies too: they must not count), closes, and
+    the surrogates are those fitted without it, bit for bit."""
+    from numpyro_fed import surrogates
+
+    _, data = blobs
+    bars: list = []
+    monkeypatch.setattr(surrogates, "tqdm", partial(RecordingBar, bars))
+    q = nf.fit_surrogates(blob_model, data, method, **kwargs)
+    ref = nf.fit_surrogates(blob_model, data, method, progress_bar=False, **kwargs)
+    shown, hidden = bars
+    assert not shown.disable and shown.total == data.num_silos * per_silo
+    assert shown.done == shown.total and shown.closed
+    assert hidden.disable and hidden.done == 0
+    np.testing.assert_array_equal(q.h, ref.h)
+    np.testing.assert_array_equal(q.prec, ref.prec)

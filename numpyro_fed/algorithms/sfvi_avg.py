@@ -34,7 +34,7 @@ from numpyro_fed.aggregate import (
 )
 from numpyro_fed.algorithms.sfvi import SFVIInfo
 from numpyro_fed.elbo import draw_global, initial_globals, server_terms, silo_terms
-from numpyro_fed.families.structured import unit_tril
+from numpyro_fed.families.gaussian import unit_tril
 from numpyro_fed.guard import guard_nonfinite
 from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData
 from numpyro_fed.util import ascent, constrain, tree_where, unconstrain

@@ -28,7 +28,8 @@ import numpy as np
 from numpyro.distributions import constraints
 from numpyro.infer.initialization import init_to_uniform
 
-from numpyro_fed.families.structured import AutoGlobalLocalNormal, gaussian_log_density
+from numpyro_fed.families.gaussian import gaussian_log_density
+from numpyro_fed.families.structured import AutoGlobalLocalNormal
 
 __all__ = ["AutoAmortized"]
 
@@ -211,7 +212,7 @@ class AutoAmortized(AutoGlobalLocalNormal):
 
     def init_local(self, key: jax.Array, arrays: dict, args=(), kwargs=None) -> dict:
         """The silo's encoder inputs (and its private encoder when not shared)."""
-        self._require_setup()
+        self.require_setup()
         inputs = self._features(arrays, kwargs)
         eta = {"inputs": inputs}
         if not self.shared:
@@ -242,6 +243,11 @@ class AutoAmortized(AutoGlobalLocalNormal):
         del z_g
         loc, scale = self._loc_scale(eta_g, eta_l)
         return gaussian_log_density(z_l, loc, scale, None, mask)
+
+    def local_marginal(self, eta_g: dict, eta_l: dict) -> tuple[jax.Array, jax.Array]:
+        """The encoder's location and scale ``(units, n_L)`` of each unit's
+        unconstrained local coordinates (independent of :math:`z_G`)."""
+        return self._loc_scale(eta_g, eta_l)
 
     def num_units(self, eta_l: dict) -> int:
         """Units held by one silo: its stored encoder inputs."""

@@ -13,19 +13,27 @@ block per child, school or row), so the family does not change when units move
 between silos: that is what makes SFVI partition-invariant.
 """
 
+from collections.abc import Sequence
 from functools import partial
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 import numpy as np
 import numpyro
 import numpyro.distributions as dist
 from numpyro.distributions import biject_to, constraints
+from numpyro.infer.autoguide import AutoGuide
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed.densities import constrain_site, real_entries
+from numpyro_fed.families import summaries
+from numpyro_fed.families.gaussian import (
+    cholesky_factor,
+    gaussian_log_density,
+    gaussian_log_density_terms,
+    unit_tril,
+)
 from numpyro_fed.partition import (
     ModelRoles,
     SiteSpec,
@@ -37,32 +45,8 @@ from numpyro_fed.partition import (
 
 __all__ = ["AutoMeanField", "AutoGlobalLocalNormal"]
 
-_LOG_2PI = float(np.log(2 * np.pi))
 GLOBAL_PREFIX = "_fed_global_"
 LOCAL_PREFIX = "_fed_local_"
-
-
-def unit_tril(raw: jax.Array) -> jax.Array:
-    return jnp.tril(raw, -1) + jnp.eye(raw.shape[-1], dtype=raw.dtype)
-
-
-def _gaussian_log_density_terms(z, loc, scale, tril):
-    """Per-coordinate terms of log N(z; loc, diag(scale) L L^T diag(scale)), L unit
-    lower-triangular; term i depends on coordinates <= i only, so a sum over a
-    leading block is that block's marginal density."""
-    white = (z - loc) / scale
-    if tril is not None:
-        white = solve_triangular(unit_tril(tril), white, lower=True, unit_diagonal=True)
-    return -0.5 * _LOG_2PI - jnp.log(scale) - 0.5 * white**2
-
-
-def gaussian_log_density(z, loc, scale, tril, mask=None):
-    """log N(z; loc, diag(scale) L L^T diag(scale)) with L unit lower-triangular;
-    with ``mask``, the sum of the chain-rule terms where it is True."""
-    terms = _gaussian_log_density_terms(z, loc, scale, tril)
-    if mask is not None:
-        terms = jnp.where(mask, terms, 0.0)
-    return jnp.sum(terms, -1)
 
 
 def _padded_silo(data: Any) -> dict:
@@ -76,7 +60,7 @@ def _first_units(arrays: dict, size: int) -> dict:
     return {k: v[0, :size] for k, v in arrays.items()}
 
 
-class AutoGlobalLocalNormal:
+class AutoGlobalLocalNormal(AutoGuide):
     """
     Structured Gaussian guide with a global factor and per-unit local factors that
     depend linearly on the global draw (Hassan et al., §2.2; Tan et al. 2020).
@@ -94,7 +78,6 @@ class AutoGlobalLocalNormal:
         unit's local latents; or ``"silo"`` for one full covariance over all the local
         latents of a silo (the paper's silo-wide :math:`L_j`: re-partitioning the units
         then changes the family, so SFVI is no longer partition-invariant).
-        unit's local latents.
     :param callable init_loc_fn: NumPyro init strategy for the locations.
     :param float init_scale: initial scale of every factor.
 
@@ -102,6 +85,10 @@ class AutoGlobalLocalNormal:
 
     1. *Federated Variational Inference Methods for Structured Latent Variable
        Models*, C. Hassan, R. Salomone, K. Mengersen.
+
+    It is a NumPyro ``AutoGuide``: ``sample_posterior``, ``median``, ``quantiles``
+    and ``get_posterior`` take ``svi.get_params(state)`` or a federated fit's
+    ``result.params``, and ``Predictive(model, guide=guide, params=...)`` runs.
 
     Until version 0.1 this guide was called ``AutoStructured``; Pyro's
     ``AutoStructured`` is a different family (per-site dependencies chosen by the user).
@@ -126,6 +113,8 @@ class AutoGlobalLocalNormal:
         >>> sorted(result.params)  # doctest: +NORMALIZE_WHITESPACE
         ['_fed_global_loc', '_fed_global_scale', '_fed_global_tril',
          '_fed_local_coupling', '_fed_local_loc', '_fed_local_scale']
+        >>> {k: v.shape for k, v in guide.median(result.params).items()}
+        {'mu': (), 'theta': (3,)}
     """
 
     def __init__(
@@ -148,11 +137,10 @@ class AutoGlobalLocalNormal:
             )
         if not init_scale > 0:
             raise ValueError(f"init_scale must be positive, got {init_scale!r}.")
-        self.model = model
+        super().__init__(model, prefix="_fed", init_loc_fn=init_loc_fn)
         self.global_cov = global_cov
         self.coupling = bool(coupling)
         self.local_cov = local_cov
-        self.init_loc_fn = init_loc_fn
         self.init_scale = float(init_scale)
         self.roles: ModelRoles | None = None
         self.global_specs: dict[str, SiteSpec] = {}
@@ -174,7 +162,7 @@ class AutoGlobalLocalNormal:
         :param FederatedData data: the federated data set.
         :raises ValueError: naming the sites that differ.
         """
-        own = self._require_setup()
+        own = self.require_setup()
         if model is self.model:
             return
         roles = analyze(model, data, *args, **kwargs)
@@ -223,11 +211,13 @@ class AutoGlobalLocalNormal:
             for s in self.local_specs.values()
         )
 
-    def _require_setup(self) -> ModelRoles:
+    def require_setup(self) -> ModelRoles:
+        """The model's roles; raise unless the guide knows its model's sites."""
         if self.roles is None:
             raise RuntimeError(
-                "The guide is not set up: call guide.setup(data) or pass it to a "
-                "numpyro_fed algorithm's init first."
+                "The guide is not set up: call guide.setup(data), pass it to a "
+                "numpyro_fed algorithm's init, or run it as a NumPyro guide (SVI) "
+                "first."
             )
         return self.roles
 
@@ -262,7 +252,7 @@ class AutoGlobalLocalNormal:
 
     def init_global(self, key: jax.Array, template: dict, args=(), kwargs=None) -> dict:
         """Initial (constrained) global parameters :math:`\\eta_G`."""
-        self._require_setup()
+        self.require_setup()
         if self.global_dim == 0:
             return {}
         values = self._init_values(key, template, args, kwargs or {})
@@ -276,7 +266,7 @@ class AutoGlobalLocalNormal:
     def init_local(self, key: jax.Array, arrays: dict, args=(), kwargs=None) -> dict:
         """Initial (constrained) local parameters :math:`\\eta_L` for the units of
         ``arrays`` (leading axis of each local parameter = units)."""
-        self._require_setup()
+        self.require_setup()
         if self.local_dim == 0:
             return {}
         values = self._init_values(key, arrays, args, kwargs or {})
@@ -429,7 +419,7 @@ class AutoGlobalLocalNormal:
         mean = self._local_mean(eta_g, eta_l, z_g)
         if "silo_tril" in eta_l:
             flat = None if mask is None else mask.reshape(-1)
-            terms = _gaussian_log_density_terms(
+            terms = gaussian_log_density_terms(
                 z_l.reshape(-1),
                 mean.reshape(-1),
                 eta_l["scale"].reshape(-1),
@@ -444,11 +434,12 @@ class AutoGlobalLocalNormal:
         return jax.vmap(gaussian_log_density)(z_l, mean, eta_l["scale"], tril, mask)
 
     # ------------------------------------------------------------ NumPyro guide
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+    def _setup_from_call(self, args: tuple, kwargs: dict) -> None:
         if self.roles is None:
-            roles = analyze_call(self.model, args, kwargs)
-            self._setup(roles, {}, args, kwargs)
-            self._prototype = (args, kwargs)
+            self._setup(analyze_call(self.model, args, kwargs), {}, args, kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict:
+        self._setup_from_call(args, kwargs)
         glob_c, loc_c = self.param_constraints()
         # The noise key comes first, before any plate asks the seed handler for one,
         # so that federated runs can reproduce it (see numpyro_fed.algorithms.sfvi).
@@ -484,7 +475,7 @@ class AutoGlobalLocalNormal:
             numpyro.sample(name, dist.Delta(values[name], event_dim=spec.event_dim))
         if self.local_specs:
             units = self.num_units(eta_l)
-            own = self._require_setup()
+            own = self.require_setup()
             with numpyro.plate(own.silo_plate, units, dim=own.silo_dim):
                 for name, spec in self.local_specs.items():
                     delta = dist.Delta(values[name], event_dim=spec.event_dim)
@@ -520,6 +511,73 @@ class AutoGlobalLocalNormal:
         z_l = self.sample_local(eta_g, eta_l, z_g, self.local_noise(key, unit_ids))
         values, log_det = self.constrain_local(z_l)
         return values, self.log_q_local(eta_g, eta_l, z_g, z_l) - log_det
+
+    # ------------------------------------------------ NumPyro AutoGuide summaries
+    def local_marginal(self, eta_g: dict, eta_l: dict) -> tuple[jax.Array, jax.Array]:
+        """Mean and standard deviation ``(units, n_L)`` of each unconstrained local
+        coordinate with :math:`z_G` integrated out: the variance is
+        :math:`\\mathrm{diag}(C_j \\Sigma_G C_j^\\top + \\Sigma_{L_j})`."""
+        scale = eta_l["scale"]
+        if "silo_tril" in eta_l:
+            flat = cholesky_factor(scale.reshape(-1), eta_l["silo_tril"])
+            var = jnp.sum(flat**2, -1).reshape(scale.shape)
+        else:
+            var = jnp.sum(cholesky_factor(scale, eta_l.get("tril")) ** 2, -1)
+        if "coupling" in eta_l:
+            factor = cholesky_factor(eta_g["scale"], eta_g.get("tril"))
+            var = var + jnp.sum((eta_l["coupling"] @ factor) ** 2, -1)
+        return eta_l["loc"], jnp.sqrt(var)
+
+    def sample_posterior(
+        self,
+        rng_key: jax.Array,
+        params: Any,
+        *args: Any,
+        sample_shape: tuple[int, ...] = (),
+        **kwargs: Any,
+    ) -> dict[str, jax.Array]:
+        """Joint draws of every latent site, ``sample_shape`` first.
+
+        :param jax.random.key rng_key: random key.
+        :param params: NumPyro's parameters of this guide (``svi.get_params(state)``)
+            or a federated fit's (``result.params``: local sites stacked by silo; see
+            :mod:`~numpyro_fed.families.summaries`).
+        :param args: the model's arguments, only to set up a fresh guide.
+        :param tuple sample_shape: leading shape of the draws.
+        :param kwargs: the model's keyword arguments, as ``args``.
+        :return: dict site name -> draws.
+        """
+        self._setup_from_call(args, kwargs)
+        return summaries.sample_posterior(self, rng_key, params, sample_shape)
+
+    def median(self, params: Any) -> dict[str, jax.Array]:
+        """Every latent site at :math:`T(\\mu)`, its support's bijection of the
+        unconstrained location (each coordinate's median when :math:`T` is
+        elementwise and monotone). ``params`` as for :meth:`sample_posterior`."""
+        return summaries.median(self, params)
+
+    def quantiles(
+        self, params: Any, quantiles: Sequence[float] | jax.Array
+    ) -> dict[str, jax.Array]:
+        """Each unconstrained coordinate's Normal marginal quantiles (local ones with
+        the coupling's share of :math:`z_G`'s variance), constrained, as NumPyro's
+        ``AutoNormal`` does: a leading ``len(quantiles)`` axis, levels in
+        ``(0, 1)``. ``params`` as for :meth:`sample_posterior`."""
+        return summaries.quantiles(self, params, quantiles)
+
+    def get_posterior(self, params: Any) -> dist.MultivariateNormal:
+        """The exact joint Gaussian of the unconstrained latent vector: :math:`z_G`,
+        then unit by unit :math:`z_{L_u}` (``z[global_dim:].reshape(units,
+        local_dim)``; :meth:`constrain_global`, :meth:`constrain_local` give site
+        values), cross-covariances :math:`C_j \\Sigma_G` included. Dense: for many
+        units use :meth:`sample_posterior`.
+
+        :param params: NumPyro's parameters of this guide, or
+            ``svi.pooled_params(result.params, data)`` after a federated fit (its
+            ``result.params`` without local parameters give the global block).
+        :rtype: ~numpyro.distributions.MultivariateNormal
+        """
+        return summaries.joint_posterior(self, params)
 
 
 def AutoMeanField(model: Callable, **kwargs: Any) -> AutoGlobalLocalNormal:

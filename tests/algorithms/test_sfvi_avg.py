@@ -12,7 +12,7 @@ import optax
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed.families.structured import unit_tril
+from numpyro_fed.families.gaussian import unit_tril
 from numpyro_fed.protocol import silo_data_of
 from tests import _models as m
 

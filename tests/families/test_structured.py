@@ -9,7 +9,7 @@ import numpyro.distributions as dist
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed.families.structured import unit_tril
+from numpyro_fed.families.gaussian import unit_tril
 from tests import _models as m
 
 
