@@ -27,7 +27,8 @@ def sample_structured(
     num_silos = len(jax.tree.leaves(params.eta_local)[0]) if params.eta_local else 0
     if params.eta_local:
         units = guide.num_units(jax.tree.map(lambda x: x[0], params.eta_local))
-        ids = jnp.broadcast_to(jnp.arange(units), (num_silos, units))
+        # distinct ids: unit i of every silo must not share its local noise
+        ids = jnp.arange(num_silos * units).reshape(num_silos, units)
         if data is not None:
             ids = data.unit_ids
 

@@ -505,3 +505,18 @@ def test_silo_wide_guide_is_a_numpyro_guide():
     state, ref = m.numpyro_svi_reference(fed, guide, svi, data, 10, optax.adam(0.05))
     result = svi.run(None, 10, data, init_state=state, progress_bar=False)
     np.testing.assert_allclose(result.losses, ref.losses, rtol=1e-9)
+
+
+def test_stacked_local_draws_are_independent_across_silos():
+    """Without ``data``, unit i of every silo draws its own local noise: the
+    standardized draws of two silos' first units are uncorrelated (|r| < 5/sqrt(S)),
+    not equal."""
+    fed = nf.federate(m.hierarchical, silos="group")
+    data = nf.FederatedData.from_groups(np.arange(6) % 2, **m.hierarchical_data(6))
+    svi = nf.SFVI(fed, nf.AutoMeanField(fed), optax.adam(0.05))
+    result = svi.run(jax.random.key(0), 5, data, progress_bar=False)
+    num = 4000
+    b = svi.sample_posterior(jax.random.key(1), result.params, num_samples=num)["b"]
+    first, second = np.asarray(b[:, 0, 0, 0, 0]), np.asarray(b[:, 1, 0, 0, 0])
+    r = np.corrcoef(first, second)[0, 1]
+    assert abs(r) < 5 / np.sqrt(num), r
