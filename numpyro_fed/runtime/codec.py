@@ -11,12 +11,13 @@ Typed PRNG keys travel as their key data and come back with the template's
 implementation.
 """
 
+import json
 from typing import Any
 
 import jax
 import numpy as np
 
-__all__ = ["TemplateMismatch", "decode", "encode", "fingerprint"]
+__all__ = ["TemplateMismatch", "decode", "encode", "fingerprint", "pack", "unpack"]
 
 
 class TemplateMismatch(ValueError):
@@ -105,3 +106,32 @@ def fingerprint(tree: Any) -> str:
     return ";".join(
         f"{n}:{x.dtype}{list(np.shape(x))}" for n, x in zip(names, leaves, strict=True)
     )
+
+
+def pack(flat: dict) -> tuple[str, bytes]:
+    """
+    A flat dict of numpy arrays as ``(fields, data)``: a JSON list of each field's
+    name, dtype and shape, and their bytes one after the other; :func:`unpack` gives
+    it back exactly.
+    """
+    fields = []
+    for name, x in flat.items():
+        if x.dtype.hasobject or x.dtype.fields is not None:
+            raise TypeError(f"field {name} has dtype {x.dtype}, which cannot be sent.")
+        # ml_dtypes' types (bfloat16, ...) have a void .str; their name round-trips
+        dtype = x.dtype.name if x.dtype.kind == "V" else x.dtype.str
+        fields.append([name, dtype, list(x.shape)])
+    return json.dumps(fields), b"".join(x.tobytes() for x in flat.values())
+
+
+def unpack(fields: str, data: bytes) -> dict:
+    """The flat dict of numpy arrays that :func:`pack` made ``(fields, data)`` of."""
+    offset, flat = 0, {}
+    for name, dtype, shape in json.loads(fields):
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        flat[name] = np.frombuffer(data, dtype, count, offset).reshape(shape).copy()
+        offset += count * dtype.itemsize
+    if offset != len(data):
+        raise ValueError(f"a packed record holds {len(data) - offset} bytes too many.")
+    return flat

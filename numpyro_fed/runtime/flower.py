@@ -30,7 +30,6 @@ loads on the server and on every node)::
     client = flower.client_app(federation, load_silo)
 """
 
-import json
 import logging
 import os
 import secrets
@@ -60,7 +59,7 @@ from numpyro_fed.runtime.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from numpyro_fed.runtime.codec import TemplateMismatch, decode, encode
+from numpyro_fed.runtime.codec import TemplateMismatch, decode, encode, pack, unpack
 from numpyro_fed.runtime.remote import Federation, RemoteServer, RemoteSilo
 
 __all__ = ["FlowerRun", "client_app", "from_record", "serve", "server_app", "to_record"]
@@ -88,25 +87,16 @@ def to_record(flat: dict) -> ConfigRecord | ArrayRecord:
     A flat dict of arrays (:func:`~numpyro_fed.runtime.codec.encode`) as one Flower
     record; :func:`from_record` gives it back exactly (names, shapes, dtypes).
 
-    Up to ``PACK_LIMIT`` bytes (4 MiB) it is one ``ConfigRecord`` (a JSON list of the
-    fields, then their bytes): Flower moves a message as a tree of objects, one
-    request per object and hop, and an ``ArrayRecord`` of ``n`` arrays is
-    ``2 n + 1`` objects. Larger dicts are an ``ArrayRecord`` (Flower chunks it).
-
-    :param dict flat: ``{name: array}``; no object or structured dtypes.
+    Up to ``PACK_LIMIT`` bytes (4 MiB) it is one ``ConfigRecord`` (the fields packed
+    by :func:`~numpyro_fed.runtime.codec.pack`): Flower moves a message as a tree of
+    objects, one request per object and hop, and an ``ArrayRecord`` of ``n`` arrays
+    is ``2 n + 1`` objects. Larger dicts are an ``ArrayRecord`` (Flower chunks it).
     """
     arrays = {name: np.asarray(x) for name, x in flat.items()}
     if sum(x.nbytes for x in arrays.values()) > PACK_LIMIT:
         return ArrayRecord({name: Array(x) for name, x in arrays.items()})
-    fields = []
-    for name, x in arrays.items():
-        if x.dtype.hasobject or x.dtype.fields is not None:
-            raise TypeError(f"field {name} has dtype {x.dtype}, which cannot be sent.")
-        # ml_dtypes' types (bfloat16, ...) have a void .str; their name round-trips
-        dtype = x.dtype.name if x.dtype.kind == "V" else x.dtype.str
-        fields.append([name, dtype, list(x.shape)])
-    data = b"".join(x.tobytes() for x in arrays.values())
-    return ConfigRecord({PACKED: json.dumps(fields), DATA: data})
+    fields, data = pack(arrays)
+    return ConfigRecord({PACKED: fields, DATA: data})
 
 
 def from_record(record: Any) -> dict:
@@ -116,15 +106,7 @@ def from_record(record: Any) -> dict:
     data, fields = record[DATA], record[PACKED]
     if not isinstance(data, bytes) or not isinstance(fields, str):
         raise TypeError(f"not a record of arrays: {type(record).__name__}.")
-    offset, flat = 0, {}
-    for name, dtype, shape in json.loads(fields):
-        dtype = np.dtype(dtype)
-        count = int(np.prod(shape, dtype=np.int64))
-        flat[name] = np.frombuffer(data, dtype, count, offset).reshape(shape).copy()
-        offset += count * dtype.itemsize
-    if offset != len(data):
-        raise ValueError(f"a packed record holds {len(data) - offset} bytes too many.")
-    return flat
+    return unpack(fields, data)
 
 
 _R = TypeVar("_R", ArrayRecord, ConfigRecord)
@@ -201,7 +183,8 @@ def serve(
     :param rng_key: the server's key (default: drawn at random).
     :param float round_timeout: seconds to wait for a round's replies (an event's
         reply, in a pass of events); a late reply is dropped. ``None`` waits for all.
-    :param float node_timeout: seconds to wait for every silo's node at the start.
+    :param float node_timeout: seconds to wait for every silo's node at the start
+        (an error if none came).
     :param on_round: called as ``on_round(t, info)`` after each round.
     :param int checkpoint_every: write the server state and key to
         ``checkpoint_dir`` after every this many rounds; the nodes keep their silo
@@ -231,6 +214,8 @@ def serve(
             "that run; a new run needs an empty directory."
         )
     nodes = _find_silos(grid, name, num_silos, node_timeout, {})
+    if not nodes:  # a run with no silo would "finish" having learnt nothing
+        raise RuntimeError(f"No node said it serves fit {name!r} in {node_timeout} s.")
     state, key = server.init(key)
     start = 0
     if resume and checkpoint_dir is not None:
