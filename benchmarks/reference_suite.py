@@ -237,7 +237,9 @@ def main(argv=None):
                 scored = (
                     reference.score(draws, post.reference)
                     if finite
-                    else {"all": {"mean_error": float("nan"), "sd_ratio": (np.nan,) * 2}}
+                    else {
+                        "all": {"mean_error": float("nan"), "sd_ratio": (np.nan,) * 2}
+                    }
                 )
                 rows.append(_row(name, algorithm, scored, loss, seconds))
                 record["runs"][f"{name}/{algorithm}"] = {

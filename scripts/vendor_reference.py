@@ -47,8 +47,9 @@ def _gym_summary(gym: Path, target: str, sites: dict) -> dict:
 
 
 def _git(repo: Path, *args: str) -> bytes:
-    return subprocess.run(["git", "-C", str(repo), *args], check=True,
-                          capture_output=True).stdout
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], check=True, capture_output=True
+    ).stdout
 
 
 def _pdb_json(repo: Path, path: str) -> tuple:
@@ -101,22 +102,32 @@ def main() -> None:
     # Item-response theory: the gym's 30012 (student, question, correct) triples as a
     # 400 x 100 grid, "." where a student did not answer.
     scope: dict = {}
-    irt_path = (args.gym / "inference_gym" / "internal" / "datasets"
-                / "synthetic_item_response_theory.py")
+    irt_path = (
+        args.gym
+        / "inference_gym"
+        / "internal"
+        / "datasets"
+        / "synthetic_item_response_theory.py"
+    )
     exec(compile(irt_path.read_text(), str(irt_path), "exec"), scope)
     grid = np.full((400, 100), ".")
     grid[scope["STUDENT_IDS"], scope["QUESTION_IDS"]] = scope["CORRECT"].astype(str)
     assert (grid != ".").sum() == 30012
     (OUT / "synthetic_irt.txt").write_text("\n".join("".join(r) for r in grid) + "\n")
 
-    path = ("posterior_database/reference_posteriors/draws/draws/"
-            "eight_schools-eight_schools_noncentered.json.zip")
+    path = (
+        "posterior_database/reference_posteriors/draws/draws/"
+        "eight_schools-eight_schools_noncentered.json.zip"
+    )
     draws, es_commit = _pdb_json(args.posteriordb, path)
     pdb_es = {}
     for site in ("mu", "tau"):
         x = np.array([chain[site] for chain in draws])  # (10 chains, 1000 draws)
-        pdb_es[site] = {"mean": x.mean(), "sd": x.std(ddof=1),
-                        "mcse": x.std(ddof=1) / np.sqrt(x.size)}  # ESS ~ 10^4
+        pdb_es[site] = {
+            "mean": x.mean(),
+            "sd": x.std(ddof=1),
+            "mcse": x.std(ddof=1) / np.sqrt(x.size),
+        }  # ESS ~ 10^4
 
     radon_sites = {
         "county_effect_mean": "COUNTY_EFFECT_MEAN_",
@@ -128,37 +139,47 @@ def main() -> None:
     summaries = {
         "eight_schools": {
             "source": gym + "eight_schools.py",
-            "globals": _gym_summary(args.gym, "eight_schools", {
-                "avg_effect": "AVG_EFFECT_", "log_stddev": "LOG_STDDEV_"}),
+            "globals": _gym_summary(
+                args.gym,
+                "eight_schools",
+                {"avg_effect": "AVG_EFFECT_", "log_stddev": "LOG_STDDEV_"},
+            ),
         },
         "eight_schools_noncentered": {
             "source": f"stan-dev/posteriordb {path} (commit {es_commit}): mean and "
             "sd of the 10 x 1000 reference draws, mcse = sd / sqrt(10^4)",
-            "globals": {k: {s: float(v) for s, v in d.items()}
-                        for k, d in pdb_es.items()},
+            "globals": {
+                k: {s: float(v) for s, v in d.items()} for k, d in pdb_es.items()
+            },
         },
         "radon_contextual_effects_minnesota": {
             "source": gym + "radon_contextual_effects_minnesota.py",
-            "globals": _gym_summary(args.gym, "radon_contextual_effects_minnesota",
-                                    radon_sites),
+            "globals": _gym_summary(
+                args.gym, "radon_contextual_effects_minnesota", radon_sites
+            ),
         },
         "radon_contextual_effects_minnesota_halfnormal": {
             "source": gym + "radon_contextual_effects_minnesota_halfnormal.py",
             "globals": _gym_summary(
-                args.gym, "radon_contextual_effects_minnesota_halfnormal",
-                radon_sites),
+                args.gym, "radon_contextual_effects_minnesota_halfnormal", radon_sites
+            ),
         },
         "synthetic_item_response_theory": {
             "source": gym + "synthetic_item_response_theory.py",
-            "globals": _gym_summary(args.gym, "synthetic_item_response_theory", {
-                "mean_student_ability": "MEAN_STUDENT_ABILITY_",
-                "question_difficulty": "QUESTION_DIFFICULTY_"}),
+            "globals": _gym_summary(
+                args.gym,
+                "synthetic_item_response_theory",
+                {
+                    "mean_student_ability": "MEAN_STUDENT_ABILITY_",
+                    "question_difficulty": "QUESTION_DIFFICULTY_",
+                },
+            ),
         },
         "german_credit_numeric_logistic_regression": {
             "source": gym + "german_credit_numeric_logistic_regression.py",
             "globals": _gym_summary(
-                args.gym, "german_credit_numeric_logistic_regression",
-                {"weights": ""}),
+                args.gym, "german_credit_numeric_logistic_regression", {"weights": ""}
+            ),
         },
     }
     (OUT / "summaries.json").write_text(json.dumps(summaries, indent=1) + "\n")

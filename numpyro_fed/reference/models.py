@@ -69,15 +69,15 @@ def radon_contextual_effects(
     elif scale_prior == "halfnormal":
         scale = dist.HalfNormal(1.0)
     else:
-        raise ValueError(f"scale_prior must be 'uniform' or 'halfnormal': {scale_prior}")
+        raise ValueError(
+            f"scale_prior must be 'uniform' or 'halfnormal': {scale_prior}"
+        )
     mean = numpyro.sample("county_effect_mean", dist.Normal(0.0, 1.0))
     county_scale = numpyro.sample("county_effect_scale", scale)
     weight = numpyro.sample("weight", dist.Normal(0.0, 1.0).expand([3]).to_event(1))
     obs_scale = numpyro.sample("log_radon_scale", scale)
     with numpyro.plate("county", floor.shape[0], dim=-2):
-        county_effect = numpyro.sample(
-            "county_effect", dist.Normal(mean, county_scale)
-        )
+        county_effect = numpyro.sample("county_effect", dist.Normal(mean, county_scale))
         loc = (
             weight[0] * log_uranium[:, None]
             + weight[1] * floor
