@@ -25,8 +25,10 @@ Settings, one rule for every posterior (never tuned per run):
 - **SFVIAvg**: the same optimizer, ``local_steps=10``, ``--avg-rounds`` rounds.
 - **PVI**: the library defaults (``AutoMeanField``, synchronous, damping, local
   steps, particles), ``--pvi-rounds`` rounds.
-- **FSGLD / DSGLD**: step size ``h = 0.05 * (smallest reference sd)^2`` (stable for
-  the stiffest global direction), ``tau = 10``, minibatches of ``min(100, smallest
+- **FSGLD / DSGLD**: step size ``h = 0.05 * (smallest reference sd)^2`` (a scale
+  read off the globals' published sds; local sites and the unconstrained space of a
+  positive site can be stiffer: eight_schools_noncentered's ``tau``, sd 3.2, gives
+  ``h = 0.51``), ``tau = 10``, minibatches of ``min(100, smallest
   silo)`` units, ``--sgld-steps`` Langevin steps after as many warm-up steps, 2
   chains, thinned 10x; FSGLD's surrogates ``nf.fit_surrogates(model, data,
   prior_power=1 / J)`` (fitted inside the timed call).
