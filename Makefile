@@ -11,7 +11,7 @@ export FLWR_TELEMETRY_ENABLED := 0
 export FLWR_DISABLE_UPDATE_CHECK := 1
 
 .DELETE_ON_ERROR:
-.PHONY: venv install test test-slow demo bench lint docs clean
+.PHONY: venv install test test-slow demo bench reference lint docs clean
 
 # Create the virtual environment. A leftover .venv whose python no longer runs (or is
 # older than 3.12) is rebuilt from scratch.
@@ -56,6 +56,12 @@ bench: $(STAMP)
 .PHONY: wheel-check
 wheel-check:
 	bash scripts/check-wheel.sh
+
+# Every algorithm on every published reference posterior, after a NUTS check of each
+# port (numpyro_fed.reference; slow: about an hour on 2 cores). One table, and
+# benchmarks/results/reference/suite.json.
+reference: $(STAMP)
+	$(PY) benchmarks/reference_suite.py
 
 # The site (docs/_build/html): warnings are errors, every tutorial is executed on the
 # CPU. Outputs are cached in docs/_build/.jupyter_cache by page text, so a rebuild

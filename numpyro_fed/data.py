@@ -123,7 +123,7 @@ class FederatedData:
     @classmethod
     def from_groups(
         cls,
-        group_ids: Sequence[Any],
+        group_ids: Sequence[Any] | np.ndarray,
         /,
         *,
         pad_to: int | None = None,

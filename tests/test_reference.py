@@ -1,0 +1,127 @@
+# Copyright Contributors to the numpyro-fed project.
+# SPDX-License-Identifier: Apache-2.0
+"""The reference-posterior suite (numpyro_fed.reference, benchmarks/reference_suite.py):
+vendored data and summaries, a NUTS check of one port, and one quick table row."""
+
+import importlib.util
+from pathlib import Path
+import sys
+
+import jax
+import numpy as np
+import numpyro
+import pytest
+
+from numpyro_fed import reference
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _suite():
+    sys.path.insert(0, str(BENCHMARKS))  # the suite imports benchmarks/_timing.py
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "reference_suite", BENCHMARKS / "reference_suite.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    return module
+
+
+@pytest.mark.parametrize("name", reference.names())
+def test_summaries_match_the_model_sites(name):
+    """Every posterior loads; each reference site is a sample site of the model, with
+    the site's shape, positive sds and standard errors below a tenth of the sd."""
+    post = reference.load(name)
+    trace = numpyro.handlers.trace(
+        numpyro.handlers.seed(post.model, jax.random.key(0))
+    ).get_trace(**post.data.pooled())
+    for site, ref in post.reference.items():
+        assert trace[site]["type"] == "sample" and not trace[site]["is_observed"]
+        assert ref.mean.shape == ref.sd.shape == ref.mcse.shape
+        assert np.shape(trace[site]["value"]) == ref.mean.shape, site
+        assert (ref.sd > 0).all() and (ref.mcse < 0.1 * ref.sd).all(), site
+    assert post.source
+
+
+def test_radon_data_are_the_gym_transform_of_the_raw_values():
+    """Minnesota: 919 homes in 85 counties of 1-116 homes; log radon is log(activity)
+    with 0 -> 0.1 (not posteriordb's log(x + 0.1)); Aitkin's first homes."""
+    post = reference.load("radon_contextual_effects_minnesota")
+    data = post.data
+    sizes = [shapes["floor"][1] for shapes in data.silo_shapes]
+    assert data.num_silos == 85 and sum(sizes) == 919
+    assert min(sizes) == 1 and max(sizes) == 116
+    aitkin = data.silo(0)
+    np.testing.assert_allclose(
+        np.sort(np.asarray(aitkin["log_radon"][0])), np.log([1.0, 2.2, 2.2, 2.9])
+    )
+    np.testing.assert_allclose(aitkin["log_uranium"], np.log([0.502054]))
+    assert float(aitkin["floor_by_county"][0]) == 0.25
+    pooled = data.pooled()
+    radon = np.asarray(pooled["log_radon"])[np.asarray(pooled["home"])]
+    assert np.isclose(radon.min(), np.log(0.1)) and (radon == np.log(0.1)).sum() == 4
+
+
+def test_german_credit_is_standardized_with_bad_as_one():
+    post = reference.load("german_credit_numeric_logistic_regression")
+    pooled = post.data.pooled()
+    features, labels = np.asarray(pooled["features"]), np.asarray(pooled["labels"])
+    assert features.shape == (1000, 24) and labels.sum() == 300
+    np.testing.assert_allclose(features.mean(0), 0.0, atol=1e-12)
+    np.testing.assert_allclose(features.std(0), 1.0, atol=1e-12)
+    assert post.data.sizes == (200,) * 5
+
+
+def test_score_reports_the_worst_coordinate():
+    ref = {
+        "w": reference.Reference(np.zeros(2), np.array([1.0, 2.0]), np.zeros(2)),
+    }
+    draws = {"w": np.array([[1.0, 0.0], [3.0, 0.0], [1.0, 4.0], [3.0, 4.0]])}
+    scored = reference.score(draws, ref)
+    assert scored["w"]["mean_error"] == 2.0  # coordinate 0: |2 - 0| / 1
+    assert scored["all"]["sd_ratio"] == (1.0, 1.0)
+    with pytest.raises(ValueError, match="'v'"):
+        reference.score({"w": draws["w"]}, {**ref, "v": ref["w"]})
+
+
+def test_nuts_on_pooled_eight_schools_matches_the_gym():
+    """The port (model and data) is the gym's: NUTS on the pooled data is within the
+    tolerance its own Monte Carlo error and the reference's allow."""
+    suite = _suite()
+    post = reference.load("eight_schools")
+    draws, _ = suite.run_nuts(post, jax.random.key(1), 300, 1000, 2)
+    scored = reference.score(draws, post.reference)
+    tolerance = suite.nuts_tolerance(post, draws, 2)
+    for site, tol in tolerance.items():
+        assert tol < 0.25
+        assert scored[site]["mean_error"] <= tol, (site, scored[site], tol)
+        lo, hi = scored[site]["sd_ratio"]
+        assert 1 - 2.5 * tol < lo and hi < 1 + 2.5 * tol, (site, scored[site])
+
+
+def test_quick_run_prints_a_finite_row(tmp_path, capsys):
+    suite = _suite()
+    out = tmp_path / "suite.json"
+    record = suite.main(
+        [
+            "--posteriors", "eight_schools_noncentered",
+            "--algorithms", "SFVI",
+            "--no-nuts", "--sfvi-steps", "100", "--out", str(out),
+        ]
+    )  # fmt: skip
+    run = record["runs"]["eight_schools_noncentered/SFVI"]
+    assert run["finite"] and np.isfinite(run["score"]["all"]["mean_error"])
+    row = capsys.readouterr().out.splitlines()[1].split()
+    assert row[:2] == ["eight_schools_noncentered", "SFVI"]
+    assert all(np.isfinite(float(x)) for x in row[2:3] + row[4:])
+    assert out.exists()
+
+
+@pytest.mark.slow
+def test_full_suite_runs(tmp_path):
+    """Every algorithm on every posterior (about an hour on two cores)."""
+    record = _suite().main(["--out", str(tmp_path / "suite.json")])
+    assert all(v["within"] for v in record["nuts"].values()), record["nuts"]
