@@ -142,7 +142,12 @@ SMOKE = {
 # Scripts whose smoke test lives elsewhere (they start servers).
 ELSEWHERE = {"flower/run_loopback.py": "tests/runtime/test_flower_loopback.py"}
 # Modules of the Flower app that run_loopback.py starts, not scripts of their own.
-PARTS = {"flower/fedapp.py", "flower/clientapp_worker.py", "flower/fast_supernode.py"}
+PARTS = {
+    "flower/fedapp.py",
+    "flower/clientapp_worker.py",
+    "flower/fast_supernode.py",
+    "flower/quick_pulls.py",
+}
 
 # Numbers on a summary line: a "nan" or "inf" there is a failed fit.
 NUMBER = re.compile(r"(?<![\w.])[-+]?(?:nan|inf|\d+(?:\.\d*)?(?:e[-+]?\d+)?)(?![\w])")
