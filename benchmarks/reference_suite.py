@@ -259,11 +259,16 @@ def main(argv=None):
                     "seconds": seconds,
                 }
             print(rows[-1], flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    record["table"] = [HEADER, *rows]
-    args.out.write_text(json.dumps(record, indent=1, default=float) + "\n")
+            _save(args.out, record, rows)  # after every cell: a long run keeps its rows
+    _save(args.out, record, rows)
     print(f"wrote {args.out}")
     return record
+
+
+def _save(out, record, rows):
+    out.parent.mkdir(parents=True, exist_ok=True)
+    record["table"] = [HEADER, *rows]
+    out.write_text(json.dumps(record, indent=1, default=float) + "\n")
 
 
 if __name__ == "__main__":
