@@ -27,3 +27,13 @@ def enable_x64():
     jax.config.update("jax_enable_x64", True)
     yield
     jax.config.update("jax_enable_x64", previous)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop JAX's compiled programs after each test module. A worker compiles
+    thousands of programs over the run, each mapping memory; kept alive they reached
+    the kernel's memory-map limit (65,530 here) late in the run, and XLA crashed
+    while compiling."""
+    yield
+    jax.clear_caches()
