@@ -32,12 +32,15 @@ $(STAMP): $(PY) pyproject.toml
 venv install: $(STAMP)
 
 # Two workers (the CI machine has 2 cores); a file's tests stay on one worker so
-# module-scoped fixtures are built once.
+# module-scoped fixtures are built once. A worker that crashes is not replaced:
+# xdist 3.8 hangs for good when it replaces one under --dist loadfile
+# (pytest-dev/pytest-xdist#784), so a crash ends the run with a failure at once.
+XDIST := -n 2 --dist loadfile --max-worker-restart 0
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q $(XDIST)
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile -m slow
+	$(PY) -m pytest -q $(XDIST) -m slow
 
 # Every example with --quick, as a subprocess (tests/examples); the examples are one
 # test file, so its tests are spread over the two workers one by one.
