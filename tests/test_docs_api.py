@@ -26,6 +26,7 @@ MODULES = [
     "numpyro_fed",
     "numpyro_fed.data",
     "numpyro_fed.densities",
+    "numpyro_fed.aggregate",
     "numpyro_fed.baselines",
     "numpyro_fed.partition",
     "numpyro_fed.expfam",

@@ -15,8 +15,9 @@ with :math:`s = N/N_j` (``scale_local_entropy=True``, the local factor then targ
 the untempered local conditional) or :math:`s = 1` (the paper's literal text, spec
 §3.6). It returns only its :math:`(\\theta_j, \\eta_{G,j})`. The server averages
 :math:`\\theta` and replaces :math:`q(z_G)` by the 2-Wasserstein barycenter of the
-silos' global Gaussians (closed form when diagonal). Averaging happens in
-distribution space, not parameter space.
+silos' global Gaussians (closed form when diagonal; for full covariances our
+fixed point or ott-jax's, ``barycenter=``). Averaging happens in distribution space,
+not parameter space.
 """
 
 from typing import Any, Callable, NamedTuple
@@ -28,8 +29,8 @@ import optax
 from numpyro_fed.aggregate import (
     cov_to_scale_tril,
     scale_tril_to_cov,
-    w2_barycenter,
     w2_barycenter_diag,
+    w2_barycenter_fn,
     weighted_mean,
 )
 from numpyro_fed.algorithms.sfvi import SFVIInfo
@@ -104,6 +105,7 @@ def sfvi_avg(
     num_particles: int = 1,
     stl: bool = True,
     padded: bool = True,
+    barycenter: str = "fixed_point",
 ) -> FederatedAlgorithm:
     """
     Build SFVI-Avg's pure functions (Hassan et al., Algorithm 2).
@@ -123,8 +125,12 @@ def sfvi_avg(
     :param int num_particles: Monte Carlo draws per local step.
     :param bool stl: sticking-the-landing gradients.
     :param bool padded: some silos carry padded units.
+    :param str barycenter: backend of the full-covariance barycenter,
+        ``"fixed_point"`` (ours) or ``"ott"`` (ott-jax, the ``diagnostics`` extra);
+        see :func:`~numpyro_fed.aggregate.w2_barycenter_fn`.
     :rtype: FederatedAlgorithm
     """
+    full_barycenter = w2_barycenter_fn(barycenter)
     theta_c = guide.theta_constraints()
     global_c, local_c = guide.param_constraints()
     stop = jax.lax.stop_gradient if stl else (lambda x: x)
@@ -219,7 +225,7 @@ def sfvi_avg(
         covs = jax.vmap(lambda s, t: scale_tril_to_cov(s, unit_tril(t)))(
             eta["scale"], eta["tril"]
         )
-        (loc, cov), _ = w2_barycenter(eta["loc"], covs, weights)
+        (loc, cov), _ = full_barycenter(eta["loc"], covs, weights)
         scale, tril = cov_to_scale_tril(cov)
         gaussian = unconstrain(global_c, {"loc": loc, "scale": scale, "tril": tril})
         return {**others, **gaussian}
