@@ -2,6 +2,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Timing shared by the round benchmarks."""
 
+import datetime
 import os
 import platform
 import time
@@ -30,8 +31,10 @@ def interleaved_times(steps, states, repeats, statistic=np.median):
 
 
 def machine_meta() -> dict:
-    """What a benchmark's JSON records of the machine and the library versions."""
+    """What a benchmark's JSON records of the machine, the library versions and the
+    date of the run (UTC; docs/results.md shows it)."""
     return {
+        "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
         "jax": jax.__version__,
         "numpyro": numpyro.__version__,
         "machine": platform.machine(),

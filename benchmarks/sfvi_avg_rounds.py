@@ -16,6 +16,7 @@ Run: ``python benchmarks/sfvi_avg_rounds.py`` (writes
 """
 
 import argparse
+import datetime
 import json
 from pathlib import Path
 
@@ -103,7 +104,14 @@ def main(args):
         print(f"{name:>16} {shown} {trace[-1]:>11.1f}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "results": rows}, indent=2))
+    summary = {
+        "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+        "first_elbo": float(start),
+        "best_elbo": float(best),
+        "args": vars(args),
+        "results": rows,
+    }
+    out.write_text(json.dumps(summary, indent=2))
     print(f"saved {out}")
 
 
