@@ -92,6 +92,12 @@ class SGLDConfig(NamedTuple):
       by silo (:func:`conducive_factors`), or ``None`` (DSGLD: no surrogates).
     - **batch_size** - minibatch size ``m`` per silo, or ``None`` for the whole silo.
     - **replace** - minibatches drawn with replacement.
+    - **local_steps** - ``K``: with ``K >= 1`` the silo first refreshes its local
+      sites by ``K`` MALA moves at the fixed global position, and the global step
+      averages its gradient over the ``K`` refreshed states; 0: the locals and
+      globals take one Langevin step together.
+    - **local_step_size** - callable ``t -> h^L_t`` of those moves, or ``None``:
+      :math:`h_t / f_s` on silo :math:`s`.
     """
 
     step_size: Callable
@@ -101,6 +107,8 @@ class SGLDConfig(NamedTuple):
     conducive: GaussianNat | None
     batch_size: int | None
     replace: bool
+    local_steps: int = 0
+    local_step_size: Callable | None = None
 
 
 class FSGLDServerState(NamedTuple):
@@ -334,7 +342,42 @@ def silo_estimator(pot: FederatedPotential, cfg: SGLDConfig, silo: Any) -> Estim
     return estimator
 
 
-def _langevin_step(pot, cfg, estimator, position, data, t, key):
+def _local_move(pot, theta, z_local, data, h_local, key):
+    """One MALA move of a silo's local sites at the fixed global position
+    ``theta``, on their conditional given the globals: the Metropolis step keeps
+    that law whatever ``h_local``."""
+    z_global = pot.unflatten(theta)
+
+    def log_target(z):
+        return pot.silo_log_likelihood(z_global, z, data.arrays, data.mask, data.nested)
+
+    lp_old, g_old = jax.value_and_grad(log_target)(z_local)
+    real = pot.real_local(z_local, data.mask, data.nested)
+    keys = jax.random.split(key, len(z_local) + 1)
+    new = {}
+    for k, name in zip(keys, sorted(z_local), strict=False):
+        v = z_local[name]
+        noise = jax.random.normal(k, v.shape, v.dtype)
+        move = 0.5 * h_local * g_old[name] + jnp.sqrt(h_local) * noise
+        # Padded units and padded nested entries carry no density: they stay put.
+        new[name] = v + jnp.where(real[name], move, 0.0)
+    lp_new, g_new = jax.value_and_grad(log_target)(new)
+
+    def log_q(to, frm, g):  # the proposal's log density frm -> to, up to a constant
+        sq = [
+            jnp.sum(jnp.where(real[n], (to[n] - frm[n] - 0.5 * h_local * g[n]) ** 2, 0))
+            for n in to
+        ]
+        return sum(sq) / (-2.0 * h_local)
+
+    log_ratio = (
+        lp_new - lp_old + log_q(z_local, new, g_new) - log_q(new, z_local, g_old)
+    )
+    accept = jnp.log(jax.random.uniform(keys[-1], (), lp_new.dtype)) < log_ratio
+    return tree_where(accept, new, z_local)
+
+
+def _langevin_step(pot, cfg, estimator, position, data, t, key, silo):
     """One Langevin step on one silo's ``data``; the draws come from
     ``fold_in(key, t)``."""
     _, k_batch, k_noise = _keys(key, t)
@@ -345,21 +388,46 @@ def _langevin_step(pot, cfg, estimator, position, data, t, key):
         idx = batch_indices(
             k_batch, jnp.sum(mask), mask.shape[0], cfg.batch_size, cfg.replace
         )
-    psi, g_local = estimator(position, Minibatch(data.arrays, mask, idx, data.nested))
+    batch = Minibatch(data.arrays, mask, idx, data.nested)
     theta, z_local = position
     k_global, k_local = jax.random.split(k_noise)
+    if cfg.local_steps and z_local:
+        h_local = (
+            h / cfg.silo_probs[silo]
+            if cfg.local_step_size is None
+            else cfg.local_step_size(t)
+        )
+
+        def refresh(total, k):
+            # A stale local state (the chain last visited this silo long ago)
+            # leaves a term in the global gradient that the surrogates, marginal
+            # in the globals, cannot cancel: refresh it at theta, then average
+            # over the refreshed states (Fisher's identity).
+            z = _local_move(
+                pot, theta, total[1], data, h_local, jax.random.fold_in(k_local, k)
+            )
+            return (total[0] + estimator((theta, z), batch)[0], z), None
+
+        zero = jnp.zeros_like(theta)
+        (psi, z_local), _ = jax.lax.scan(
+            refresh, (zero, z_local), jnp.arange(cfg.local_steps)
+        )
+        psi = psi / cfg.local_steps
+    else:
+        psi, g_local = estimator(position, batch)
+        new_local = {}
+        real = pot.real_local(z_local, mask, data.nested)
+        local_keys = jax.random.split(k_local, max(len(z_local), 1))
+        for k, name in zip(local_keys, sorted(z_local), strict=False):
+            v = z_local[name]
+            noise = jax.random.normal(k, v.shape, v.dtype)
+            move = 0.5 * h * g_local[name] + jnp.sqrt(h) * noise
+            # Padded units and padded nested entries carry no density: they stay put.
+            new_local[name] = v + jnp.where(real[name], move, 0.0)
+        z_local = new_local
     noise = jax.random.normal(k_global, theta.shape, theta.dtype)
     theta = theta + 0.5 * h * psi + jnp.sqrt(h) * noise
-    new_local = {}
-    real = pot.real_local(z_local, mask, data.nested)
-    local_keys = jax.random.split(k_local, max(len(z_local), 1))
-    for k, name in zip(local_keys, sorted(z_local), strict=False):
-        v = z_local[name]
-        noise = jax.random.normal(k, v.shape, v.dtype)
-        move = 0.5 * h * g_local[name] + jnp.sqrt(h) * noise
-        # Padded units and padded nested entries carry no density: they stay put.
-        new_local[name] = v + jnp.where(real[name], move, 0.0)
-    return theta, new_local
+    return theta, z_local
 
 
 def fsgld(
@@ -430,6 +498,7 @@ def fsgld(
                 data,
                 chain.step + i,
                 draw_key,
+                silo,
             )
             return position, pot.unflatten(position[0])
 

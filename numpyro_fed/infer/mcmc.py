@@ -213,6 +213,16 @@ class FSGLD(MCMCKernel):
         ``docs/privacy.md``). Default ``False``: each silo draws from a key of its
         own (:class:`SGLDState`'s ``silo_keys``). Both modes give the same chain
         law; only the draws differ.
+    :param int local_steps: ``K``: before each Langevin step the chain's silo
+        refreshes its local sites by ``K`` MALA moves at the fixed global position
+        and the step averages the global gradient over the refreshed states (an
+        estimate of the gradient of the silo's marginal likelihood, which the
+        surrogates model). Default 0: locals and globals step together, and a
+        silo's locals move only while the chain visits it, so with many small
+        silos they lag and the global sds inflate (``docs/fsgld.md``).
+    :param local_step_size: :math:`h^L` of those moves, a float or a callable
+        ``t -> h^L_t`` (default :math:`h_t / f_s`: the locals then move as far per
+        step, on average over visits, as the globals).
 
     **Example:**
 
@@ -253,8 +263,23 @@ class FSGLD(MCMCKernel):
         replace: bool = True,
         init_strategy: Callable = init_to_uniform,
         reproducible: bool = False,
+        local_steps: int = 0,
+        local_step_size: Any = None,
     ) -> None:
         self._model = model
+        if (
+            isinstance(local_steps, bool)
+            or not isinstance(local_steps, (int, np.integer))
+            or local_steps < 0
+        ):
+            raise ValueError(
+                f"local_steps (moves of the local sites per step) must be an int "
+                f">= 0, got {local_steps!r}."
+            )
+        self._local_steps = int(local_steps)
+        self._local_step_size = (
+            None if local_step_size is None else _check_step_size(local_step_size)
+        )
         self._step_size = _check_step_size(step_size)
         if isinstance(tau, bool) or not isinstance(tau, (int, np.integer)) or tau < 1:
             raise ValueError(
@@ -333,6 +358,8 @@ class FSGLD(MCMCKernel):
                 conducive,
                 self._batch_size,
                 self._replace,
+                self._local_steps,
+                self._local_step_size,
             )
             self._built[layout] = (pot, cfg)
         return self._built[layout]
@@ -555,6 +582,8 @@ class DSGLD(FSGLD):
     :param callable init_strategy: NumPyro init strategy.
     :param bool reproducible: as in :class:`FSGLD` (default ``False``: each silo
         draws from its own key).
+    :param int local_steps: as in :class:`FSGLD`.
+    :param local_step_size: as in :class:`FSGLD`.
 
     **Example:**
 
@@ -581,6 +610,8 @@ class DSGLD(FSGLD):
         replace: bool = True,
         init_strategy: Callable = init_to_uniform,
         reproducible: bool = False,
+        local_steps: int = 0,
+        local_step_size: Any = None,
     ) -> None:
         super().__init__(
             model,
@@ -593,4 +624,6 @@ class DSGLD(FSGLD):
             replace=replace,
             init_strategy=init_strategy,
             reproducible=reproducible,
+            local_steps=local_steps,
+            local_step_size=local_step_size,
         )
