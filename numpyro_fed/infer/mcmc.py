@@ -42,6 +42,7 @@ from numpyro_fed.potentials import FederatedPotential, federated_potential
 from numpyro_fed.protocol import FederatedAlgorithm, jit_algorithm, silo_data_of
 from numpyro_fed.runtime import contact_round, round_bytes, sequential_round
 from numpyro_fed.runtime.accounting import nbytes
+from numpyro_fed.sgld_diagnostics import warn_lagging_locals
 from numpyro_fed.surrogates import check_surrogates
 
 __all__ = ["DSGLD", "FSGLD", "CommStats", "ProtocolResult", "SGLDState"]
@@ -340,6 +341,7 @@ class FSGLD(MCMCKernel):
                 f = np.full(data.num_silos, 1.0 / data.num_silos)
             if self._surrogates is not None:
                 check_surrogates(self._surrogates, data.num_silos, pot.global_dim)
+            warn_lagging_locals(pot, f, self._local_steps, type(self).__name__)
             if self._batch_size is not None and not self._replace:
                 if self._batch_size > min(data.sizes):
                     raise ValueError(
