@@ -47,10 +47,13 @@ passes, and the server can replay every silo's noise and minibatch choice.
 2. *Distributed Stochastic Gradient MCMC*, S. Ahn, B. Shahbaba, M. Welling (ICML 2014).
 """
 
+import math
+import numbers
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed.expfam import GaussianNat, grad_log_density
@@ -69,6 +72,7 @@ __all__ = [
     "Minibatch",
     "SGLDConfig",
     "annealed_step_size",
+    "check_step_size",
     "choose_silo",
     "conducive_factors",
     "conducive_gradient",
@@ -213,6 +217,43 @@ def annealed_step_size(a: float, b: float = 1.0, gamma: float = 0.55) -> Callabl
             f"annealed_step_size needs a, b, gamma > 0; got {a}, {b}, {gamma}."
         )
     return lambda t: a * (b + t) ** (-gamma)
+
+
+#: The steps at which a step-size schedule is checked: every one of the first
+#: thousand, then a geometric grid up to 1e9 (a schedule that turns NaN or negative
+#: late in a long run would otherwise poison the chain silently).
+_SCHEDULE_PROBES = np.unique(
+    np.concatenate([np.arange(1001), np.geomspace(1000, 1e9, 200).astype(np.int64)])
+)
+
+
+def check_step_size(step_size: Any) -> Callable:
+    """``step_size`` as a schedule ``t -> h_t``: a positive finite float, or a
+    callable that is positive and finite at every probed step (else a
+    ``ValueError`` naming the first bad step)."""
+    if callable(step_size):
+        probes = _SCHEDULE_PROBES
+        try:
+            h = np.asarray(jax.vmap(step_size)(jnp.asarray(probes, jnp.int32)))
+        except Exception:  # a schedule with Python control flow: a few steps
+            probes = probes[:: len(probes) // 20]
+            h = np.array([float(step_size(jnp.asarray(t, jnp.int32))) for t in probes])
+        bad = np.flatnonzero(~(np.isfinite(h) & (h > 0)))
+        if bad.size:
+            t0 = int(probes[bad[0]])
+            raise ValueError(
+                f"step_size(t) must be positive and finite at every step; at t={t0} "
+                f"it is {float(h[bad[0]])}."
+            )
+        return step_size
+    real = isinstance(step_size, numbers.Real) and not isinstance(step_size, bool)
+    value = float(step_size) if real else math.nan  # numpy's scalars are Real
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            "step_size must be a positive finite number or a callable t -> h_t, got "
+            f"{step_size!r}."
+        )
+    return lambda t: jnp.asarray(value)
 
 
 def conducive_gradient(
@@ -392,26 +433,21 @@ def _langevin_step(pot, cfg, estimator, position, data, t, key, silo):
     theta, z_local = position
     k_global, k_local = jax.random.split(k_noise)
     if cfg.local_steps and z_local:
-        h_local = (
-            h / cfg.silo_probs[silo]
-            if cfg.local_step_size is None
-            else cfg.local_step_size(t)
-        )
+        h_local = h / cfg.silo_probs[silo]
+        if cfg.local_step_size is not None:
+            h_local = cfg.local_step_size(t)
 
         def refresh(total, k):
-            # A stale local state (the chain last visited this silo long ago)
-            # leaves a term in the global gradient that the surrogates, marginal
-            # in the globals, cannot cancel: refresh it at theta, then average
-            # over the refreshed states (Fisher's identity).
+            # Stale locals leave a term in the global gradient that surrogates
+            # marginal in the globals cannot cancel; averaging refreshed ones
+            # estimates the marginal's gradient (Fisher's identity).
             z = _local_move(
                 pot, theta, total[1], data, h_local, jax.random.fold_in(k_local, k)
             )
             return (total[0] + estimator((theta, z), batch)[0], z), None
 
-        zero = jnp.zeros_like(theta)
-        (psi, z_local), _ = jax.lax.scan(
-            refresh, (zero, z_local), jnp.arange(cfg.local_steps)
-        )
+        start = (jnp.zeros_like(theta), z_local)
+        (psi, z_local), _ = jax.lax.scan(refresh, start, jnp.arange(cfg.local_steps))
         psi = psi / cfg.local_steps
     else:
         psi, g_local = estimator(position, batch)

@@ -16,8 +16,6 @@ runs it as messages under the sequential runtime).
 2. *Distributed Stochastic Gradient MCMC*, S. Ahn, B. Shahbaba, M. Welling (ICML 2014).
 """
 
-import math
-import numbers
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -31,6 +29,7 @@ from numpyro_fed.algorithms.sgld import (
     FSGLDServerState,
     FSGLDSiloState,
     SGLDConfig,
+    check_step_size,
     conducive_factors,
     fsgld,
     init_chain,
@@ -107,40 +106,6 @@ class ProtocolResult(NamedTuple):
     stats: CommStats
 
 
-#: The steps at which a step-size schedule is checked: every one of the first
-#: thousand, then a geometric grid up to 1e9 (a schedule that turns NaN or negative
-#: late in a long run would otherwise poison the chain silently).
-_SCHEDULE_PROBES = np.unique(
-    np.concatenate([np.arange(1001), np.geomspace(1000, 1e9, 200).astype(np.int64)])
-)
-
-
-def _check_step_size(step_size: Any) -> Callable:
-    if callable(step_size):
-        probes = _SCHEDULE_PROBES
-        try:
-            h = np.asarray(jax.vmap(step_size)(jnp.asarray(probes, jnp.int32)))
-        except Exception:  # a schedule with Python control flow: a few steps
-            probes = probes[:: len(probes) // 20]
-            h = np.array([float(step_size(jnp.asarray(t, jnp.int32))) for t in probes])
-        bad = np.flatnonzero(~(np.isfinite(h) & (h > 0)))
-        if bad.size:
-            t0 = int(probes[bad[0]])
-            raise ValueError(
-                f"step_size(t) must be positive and finite at every step; at t={t0} "
-                f"it is {float(h[bad[0]])}."
-            )
-        return step_size
-    real = isinstance(step_size, numbers.Real) and not isinstance(step_size, bool)
-    value = float(step_size) if real else math.nan  # numpy's scalars are Real
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(
-            "step_size must be a positive finite number or a callable t -> h_t, got "
-            f"{step_size!r}."
-        )
-    return lambda t: jnp.asarray(value)
-
-
 def _check_probs(silo_probs: Any, num_silos: int | None = None) -> np.ndarray | None:
     if silo_probs is None:
         return None
@@ -214,16 +179,12 @@ class FSGLD(MCMCKernel):
         ``docs/privacy.md``). Default ``False``: each silo draws from a key of its
         own (:class:`SGLDState`'s ``silo_keys``). Both modes give the same chain
         law; only the draws differ.
-    :param int local_steps: ``K``: before each Langevin step the chain's silo
-        refreshes its local sites by ``K`` MALA moves at the fixed global position
-        and the step averages the global gradient over the refreshed states (an
-        estimate of the gradient of the silo's marginal likelihood, which the
-        surrogates model). Default 0: locals and globals step together, and a
-        silo's locals move only while the chain visits it, so with many small
-        silos they lag and the global sds inflate (``docs/fsgld.md``).
-    :param local_step_size: :math:`h^L` of those moves, a float or a callable
-        ``t -> h^L_t`` (default :math:`h_t / f_s`: the locals then move as far per
-        step, on average over visits, as the globals).
+    :param int local_steps: ``K``: before each step the chain's silo refreshes its
+        local sites by ``K`` MALA moves at the fixed globals, and the step averages
+        the global gradient over them (default 0: locals and globals step together;
+        with many small silos the locals lag and the sds inflate, ``docs/fsgld.md``).
+    :param local_step_size: :math:`h^L` of those moves, a float or ``t -> h^L_t``
+        (default :math:`h_t / f_s`).
 
     **Example:**
 
@@ -268,20 +229,11 @@ class FSGLD(MCMCKernel):
         local_step_size: Any = None,
     ) -> None:
         self._model = model
-        if (
-            isinstance(local_steps, bool)
-            or not isinstance(local_steps, (int, np.integer))
-            or local_steps < 0
-        ):
-            raise ValueError(
-                f"local_steps (moves of the local sites per step) must be an int "
-                f">= 0, got {local_steps!r}."
-            )
-        self._local_steps = int(local_steps)
+        self._local_steps = check_count("local_steps", local_steps, 0)
         self._local_step_size = (
-            None if local_step_size is None else _check_step_size(local_step_size)
+            None if local_step_size is None else check_step_size(local_step_size)
         )
-        self._step_size = _check_step_size(step_size)
+        self._step_size = check_step_size(step_size)
         if isinstance(tau, bool) or not isinstance(tau, (int, np.integer)) or tau < 1:
             raise ValueError(
                 f"tau (local steps per visit) must be an int >= 1, got {tau!r}."

@@ -82,7 +82,7 @@ def test_lagging_locals_warn_only_with_several_silos():
 def test_local_steps_must_be_a_count():
     with pytest.raises(ValueError, match="local_steps"):
         nf.DSGLD(hierarchy, 1e-3, local_steps=-1)
-    with pytest.raises(ValueError, match="local_steps"):
+    with pytest.raises(TypeError, match="local_steps"):
         nf.FSGLD(hierarchy, 1e-3, None, local_steps=True)
     with pytest.raises(ValueError, match="step_size"):
         nf.DSGLD(hierarchy, 1e-3, local_steps=2, local_step_size=-1.0)
