@@ -47,10 +47,13 @@ passes, and the server can replay every silo's noise and minibatch choice.
 2. *Distributed Stochastic Gradient MCMC*, S. Ahn, B. Shahbaba, M. Welling (ICML 2014).
 """
 
+import math
+import numbers
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from numpyro.infer.initialization import init_to_uniform
 
 from numpyro_fed.expfam import GaussianNat, grad_log_density
@@ -69,6 +72,7 @@ __all__ = [
     "Minibatch",
     "SGLDConfig",
     "annealed_step_size",
+    "check_step_size",
     "choose_silo",
     "conducive_factors",
     "conducive_gradient",
@@ -92,6 +96,12 @@ class SGLDConfig(NamedTuple):
       by silo (:func:`conducive_factors`), or ``None`` (DSGLD: no surrogates).
     - **batch_size** - minibatch size ``m`` per silo, or ``None`` for the whole silo.
     - **replace** - minibatches drawn with replacement.
+    - **local_steps** - ``K``: with ``K >= 1`` the silo first refreshes its local
+      sites by ``K`` MALA moves at the fixed global position, and the global step
+      averages its gradient over the ``K`` refreshed states; 0: the locals and
+      globals take one Langevin step together.
+    - **local_step_size** - callable ``t -> h^L_t`` of those moves, or ``None``:
+      :math:`h_t / f_s` on silo :math:`s`.
     """
 
     step_size: Callable
@@ -101,6 +111,8 @@ class SGLDConfig(NamedTuple):
     conducive: GaussianNat | None
     batch_size: int | None
     replace: bool
+    local_steps: int = 0
+    local_step_size: Callable | None = None
 
 
 class FSGLDServerState(NamedTuple):
@@ -205,6 +217,43 @@ def annealed_step_size(a: float, b: float = 1.0, gamma: float = 0.55) -> Callabl
             f"annealed_step_size needs a, b, gamma > 0; got {a}, {b}, {gamma}."
         )
     return lambda t: a * (b + t) ** (-gamma)
+
+
+#: The steps at which a step-size schedule is checked: every one of the first
+#: thousand, then a geometric grid up to 1e9 (a schedule that turns NaN or negative
+#: late in a long run would otherwise poison the chain silently).
+_SCHEDULE_PROBES = np.unique(
+    np.concatenate([np.arange(1001), np.geomspace(1000, 1e9, 200).astype(np.int64)])
+)
+
+
+def check_step_size(step_size: Any) -> Callable:
+    """``step_size`` as a schedule ``t -> h_t``: a positive finite float, or a
+    callable that is positive and finite at every probed step (else a
+    ``ValueError`` naming the first bad step)."""
+    if callable(step_size):
+        probes = _SCHEDULE_PROBES
+        try:
+            h = np.asarray(jax.vmap(step_size)(jnp.asarray(probes, jnp.int32)))
+        except Exception:  # a schedule with Python control flow: a few steps
+            probes = probes[:: len(probes) // 20]
+            h = np.array([float(step_size(jnp.asarray(t, jnp.int32))) for t in probes])
+        bad = np.flatnonzero(~(np.isfinite(h) & (h > 0)))
+        if bad.size:
+            t0 = int(probes[bad[0]])
+            raise ValueError(
+                f"step_size(t) must be positive and finite at every step; at t={t0} "
+                f"it is {float(h[bad[0]])}."
+            )
+        return step_size
+    real = isinstance(step_size, numbers.Real) and not isinstance(step_size, bool)
+    value = float(step_size) if real else math.nan  # numpy's scalars are Real
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            "step_size must be a positive finite number or a callable t -> h_t, got "
+            f"{step_size!r}."
+        )
+    return lambda t: jnp.asarray(value)
 
 
 def conducive_gradient(
@@ -334,7 +383,42 @@ def silo_estimator(pot: FederatedPotential, cfg: SGLDConfig, silo: Any) -> Estim
     return estimator
 
 
-def _langevin_step(pot, cfg, estimator, position, data, t, key):
+def _local_move(pot, theta, z_local, data, h_local, key):
+    """One MALA move of a silo's local sites at the fixed global position
+    ``theta``, on their conditional given the globals: the Metropolis step keeps
+    that law whatever ``h_local``."""
+    z_global = pot.unflatten(theta)
+
+    def log_target(z):
+        return pot.silo_log_likelihood(z_global, z, data.arrays, data.mask, data.nested)
+
+    lp_old, g_old = jax.value_and_grad(log_target)(z_local)
+    real = pot.real_local(z_local, data.mask, data.nested)
+    keys = jax.random.split(key, len(z_local) + 1)
+    new = {}
+    for k, name in zip(keys, sorted(z_local), strict=False):
+        v = z_local[name]
+        noise = jax.random.normal(k, v.shape, v.dtype)
+        move = 0.5 * h_local * g_old[name] + jnp.sqrt(h_local) * noise
+        # Padded units and padded nested entries carry no density: they stay put.
+        new[name] = v + jnp.where(real[name], move, 0.0)
+    lp_new, g_new = jax.value_and_grad(log_target)(new)
+
+    def log_q(to, frm, g):  # the proposal's log density frm -> to, up to a constant
+        sq = [
+            jnp.sum(jnp.where(real[n], (to[n] - frm[n] - 0.5 * h_local * g[n]) ** 2, 0))
+            for n in to
+        ]
+        return sum(sq) / (-2.0 * h_local)
+
+    log_ratio = (
+        lp_new - lp_old + log_q(z_local, new, g_new) - log_q(new, z_local, g_old)
+    )
+    accept = jnp.log(jax.random.uniform(keys[-1], (), lp_new.dtype)) < log_ratio
+    return tree_where(accept, new, z_local)
+
+
+def _langevin_step(pot, cfg, estimator, position, data, t, key, silo):
     """One Langevin step on one silo's ``data``; the draws come from
     ``fold_in(key, t)``."""
     _, k_batch, k_noise = _keys(key, t)
@@ -345,21 +429,41 @@ def _langevin_step(pot, cfg, estimator, position, data, t, key):
         idx = batch_indices(
             k_batch, jnp.sum(mask), mask.shape[0], cfg.batch_size, cfg.replace
         )
-    psi, g_local = estimator(position, Minibatch(data.arrays, mask, idx, data.nested))
+    batch = Minibatch(data.arrays, mask, idx, data.nested)
     theta, z_local = position
     k_global, k_local = jax.random.split(k_noise)
+    if cfg.local_steps and z_local:
+        h_local = h / cfg.silo_probs[silo]
+        if cfg.local_step_size is not None:
+            h_local = cfg.local_step_size(t)
+
+        def refresh(total, k):
+            # Stale locals leave a term in the global gradient that surrogates
+            # marginal in the globals cannot cancel; averaging refreshed ones
+            # estimates the marginal's gradient (Fisher's identity).
+            z = _local_move(
+                pot, theta, total[1], data, h_local, jax.random.fold_in(k_local, k)
+            )
+            return (total[0] + estimator((theta, z), batch)[0], z), None
+
+        start = (jnp.zeros_like(theta), z_local)
+        (psi, z_local), _ = jax.lax.scan(refresh, start, jnp.arange(cfg.local_steps))
+        psi = psi / cfg.local_steps
+    else:
+        psi, g_local = estimator(position, batch)
+        new_local = {}
+        real = pot.real_local(z_local, mask, data.nested)
+        local_keys = jax.random.split(k_local, max(len(z_local), 1))
+        for k, name in zip(local_keys, sorted(z_local), strict=False):
+            v = z_local[name]
+            noise = jax.random.normal(k, v.shape, v.dtype)
+            move = 0.5 * h * g_local[name] + jnp.sqrt(h) * noise
+            # Padded units and padded nested entries carry no density: they stay put.
+            new_local[name] = v + jnp.where(real[name], move, 0.0)
+        z_local = new_local
     noise = jax.random.normal(k_global, theta.shape, theta.dtype)
     theta = theta + 0.5 * h * psi + jnp.sqrt(h) * noise
-    new_local = {}
-    real = pot.real_local(z_local, mask, data.nested)
-    local_keys = jax.random.split(k_local, max(len(z_local), 1))
-    for k, name in zip(local_keys, sorted(z_local), strict=False):
-        v = z_local[name]
-        noise = jax.random.normal(k, v.shape, v.dtype)
-        move = 0.5 * h * g_local[name] + jnp.sqrt(h) * noise
-        # Padded units and padded nested entries carry no density: they stay put.
-        new_local[name] = v + jnp.where(real[name], move, 0.0)
-    return theta, new_local
+    return theta, z_local
 
 
 def fsgld(
@@ -430,6 +534,7 @@ def fsgld(
                 data,
                 chain.step + i,
                 draw_key,
+                silo,
             )
             return position, pot.unflatten(position[0])
 

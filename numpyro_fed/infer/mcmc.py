@@ -16,8 +16,6 @@ runs it as messages under the sequential runtime).
 2. *Distributed Stochastic Gradient MCMC*, S. Ahn, B. Shahbaba, M. Welling (ICML 2014).
 """
 
-import math
-import numbers
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -31,6 +29,7 @@ from numpyro_fed.algorithms.sgld import (
     FSGLDServerState,
     FSGLDSiloState,
     SGLDConfig,
+    check_step_size,
     conducive_factors,
     fsgld,
     init_chain,
@@ -42,6 +41,7 @@ from numpyro_fed.potentials import FederatedPotential, federated_potential
 from numpyro_fed.protocol import FederatedAlgorithm, jit_algorithm, silo_data_of
 from numpyro_fed.runtime import contact_round, round_bytes, sequential_round
 from numpyro_fed.runtime.accounting import nbytes
+from numpyro_fed.sgld_diagnostics import warn_lagging_locals
 from numpyro_fed.surrogates import check_surrogates
 
 __all__ = ["DSGLD", "FSGLD", "CommStats", "ProtocolResult", "SGLDState"]
@@ -104,40 +104,6 @@ class ProtocolResult(NamedTuple):
     server_state: FSGLDServerState
     silo_states: FSGLDSiloState
     stats: CommStats
-
-
-#: The steps at which a step-size schedule is checked: every one of the first
-#: thousand, then a geometric grid up to 1e9 (a schedule that turns NaN or negative
-#: late in a long run would otherwise poison the chain silently).
-_SCHEDULE_PROBES = np.unique(
-    np.concatenate([np.arange(1001), np.geomspace(1000, 1e9, 200).astype(np.int64)])
-)
-
-
-def _check_step_size(step_size: Any) -> Callable:
-    if callable(step_size):
-        probes = _SCHEDULE_PROBES
-        try:
-            h = np.asarray(jax.vmap(step_size)(jnp.asarray(probes, jnp.int32)))
-        except Exception:  # a schedule with Python control flow: a few steps
-            probes = probes[:: len(probes) // 20]
-            h = np.array([float(step_size(jnp.asarray(t, jnp.int32))) for t in probes])
-        bad = np.flatnonzero(~(np.isfinite(h) & (h > 0)))
-        if bad.size:
-            t0 = int(probes[bad[0]])
-            raise ValueError(
-                f"step_size(t) must be positive and finite at every step; at t={t0} "
-                f"it is {float(h[bad[0]])}."
-            )
-        return step_size
-    real = isinstance(step_size, numbers.Real) and not isinstance(step_size, bool)
-    value = float(step_size) if real else math.nan  # numpy's scalars are Real
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(
-            "step_size must be a positive finite number or a callable t -> h_t, got "
-            f"{step_size!r}."
-        )
-    return lambda t: jnp.asarray(value)
 
 
 def _check_probs(silo_probs: Any, num_silos: int | None = None) -> np.ndarray | None:
@@ -213,6 +179,12 @@ class FSGLD(MCMCKernel):
         ``docs/privacy.md``). Default ``False``: each silo draws from a key of its
         own (:class:`SGLDState`'s ``silo_keys``). Both modes give the same chain
         law; only the draws differ.
+    :param int local_steps: ``K``: before each step the chain's silo refreshes its
+        local sites by ``K`` MALA moves at the fixed globals, and the step averages
+        the global gradient over them (default 0: locals and globals step together;
+        with many small silos the locals lag and the sds inflate, ``docs/fsgld.md``).
+    :param local_step_size: :math:`h^L` of those moves, a float or ``t -> h^L_t``
+        (default :math:`h_t / f_s`).
 
     **Example:**
 
@@ -253,9 +225,15 @@ class FSGLD(MCMCKernel):
         replace: bool = True,
         init_strategy: Callable = init_to_uniform,
         reproducible: bool = False,
+        local_steps: int = 0,
+        local_step_size: Any = None,
     ) -> None:
         self._model = model
-        self._step_size = _check_step_size(step_size)
+        self._local_steps = check_count("local_steps", local_steps, 0)
+        self._local_step_size = (
+            None if local_step_size is None else check_step_size(local_step_size)
+        )
+        self._step_size = check_step_size(step_size)
         if isinstance(tau, bool) or not isinstance(tau, (int, np.integer)) or tau < 1:
             raise ValueError(
                 f"tau (local steps per visit) must be an int >= 1, got {tau!r}."
@@ -315,6 +293,7 @@ class FSGLD(MCMCKernel):
                 f = np.full(data.num_silos, 1.0 / data.num_silos)
             if self._surrogates is not None:
                 check_surrogates(self._surrogates, data.num_silos, pot.global_dim)
+            warn_lagging_locals(pot, f, self._local_steps, type(self).__name__)
             if self._batch_size is not None and not self._replace:
                 if self._batch_size > min(data.sizes):
                     raise ValueError(
@@ -333,6 +312,8 @@ class FSGLD(MCMCKernel):
                 conducive,
                 self._batch_size,
                 self._replace,
+                self._local_steps,
+                self._local_step_size,
             )
             self._built[layout] = (pot, cfg)
         return self._built[layout]
@@ -555,6 +536,8 @@ class DSGLD(FSGLD):
     :param callable init_strategy: NumPyro init strategy.
     :param bool reproducible: as in :class:`FSGLD` (default ``False``: each silo
         draws from its own key).
+    :param int local_steps: as in :class:`FSGLD`.
+    :param local_step_size: as in :class:`FSGLD`.
 
     **Example:**
 
@@ -581,6 +564,8 @@ class DSGLD(FSGLD):
         replace: bool = True,
         init_strategy: Callable = init_to_uniform,
         reproducible: bool = False,
+        local_steps: int = 0,
+        local_step_size: Any = None,
     ) -> None:
         super().__init__(
             model,
@@ -593,4 +578,6 @@ class DSGLD(FSGLD):
             replace=replace,
             init_strategy=init_strategy,
             reproducible=reproducible,
+            local_steps=local_steps,
+            local_step_size=local_step_size,
         )
