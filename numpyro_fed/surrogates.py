@@ -179,9 +179,10 @@ _MAX_SHIFT = 1.0
 def _refuse_funnels(
     moved: np.ndarray, mode: np.ndarray, start: np.ndarray, pot: FederatedPotential
 ):
-    """Refuse a Laplace fit whose joint mode is far from its marginal's (or where
-    that distance overflows), naming the first such silo, the global coordinate at
-    fault and the cause."""
+    """Refuse a Laplace fit whose joint mode is far below its marginal's along a
+    global coordinate (a funnel's neck), or where that distance overflows; warn
+    where it is far in another direction (too few units to pin the local sites).
+    Names the first such silo, the global coordinate at fault and the cause."""
     names = [
         s.name + (f"[{i}]" if int(np.prod(s.unconstrained_shape)) > 1 else "")
         for s in pot.global_sites
@@ -205,8 +206,9 @@ def _refuse_funnels(
         f"sites (silos {np.flatnonzero(bad).tolist()} alike); "
     )
     if not np.isfinite(moved[j]).all():
-        # Curvature past overflow: the coordinate the fit ran furthest is the scale.
-        k = int(np.argmax(np.abs(mode[j] - start)))
+        # Curvature past overflow: the scale is the coordinate the fit ran furthest
+        # down, toward the funnel's neck.
+        k = int(np.argmin(mode[j] - start))
         raise ValueError(
             f"{head}the fit ran {names[k]!r} from {start[k]:.3g} to "
             f"{mode[j, k]:.3g} (unconstrained), where the local sites' curvature "
