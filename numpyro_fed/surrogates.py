@@ -291,7 +291,12 @@ def fit_surrogates(
       floor (the surrogate is nearly flat there), and a warning names the silos that
       stopped short or were clipped. With ``prior_power > 0`` the target is proper,
       so zero and round-off curvature are clipped too; without it they are reported
-      (the silo's likelihood may not identify that direction).
+      (the silo's likelihood may not identify that direction). With local latents,
+      a joint mode more than one marginal standard deviation below the mode of the
+      silo's Laplace-marginal likelihood along a global site (a centred
+      hierarchy's funnel, whose joint density grows without bound as a scale goes
+      to 0) is refused, naming the silo and the site; off in another direction, it
+      is a warning (too few units to pin the local sites).
     - ``"sgld"``: Langevin dynamics on the local likelihood (full silo gradient,
       ``step_size``, ``num_warmup`` then ``num_samples`` steps), then moment matching,
       as in the paper (3,000 draws).
@@ -345,8 +350,9 @@ def fit_surrogates(
         result.
     :return: the natural parameters :math:`(h_s, \\Lambda_s)`, stacked by silo.
     :rtype: ~numpyro_fed.expfam.GaussianNat
-    :raises ValueError: for an unknown method or covariance, a missing step size, or
-        a fitted surrogate that is not a valid Gaussian (naming the silo).
+    :raises ValueError: for an unknown method or covariance, a missing step size, a
+        Laplace fit at a funnel's neck, or a fitted surrogate that is not a valid
+        Gaussian (naming the silo).
 
     **Example:**
 
