@@ -12,6 +12,7 @@ Models with local latent sites have no per-datum likelihood of :math:`\\theta` a
 (the locals would have to be integrated out), so these functions reject them.
 """
 
+from functools import partial
 from typing import Any, Callable, NamedTuple
 import warnings
 
@@ -27,10 +28,13 @@ __all__ = [
     "GradientVariance",
     "MeanErrorCurves",
     "epsilon_squared",
+    "finite_chains",
     "gamma_squared",
     "gradient_variance",
     "mean_error_curves",
     "warn_lagging_locals",
+    "warn_diverged",
+    "warn_if_diverged",
 ]
 
 
@@ -356,3 +360,57 @@ def mean_error_curves(draws: Any, reference_mean: Any) -> MeanErrorCurves:
     running = np.cumsum(dev, 0) / t[:, None]
     distance = np.cumsum(np.linalg.norm(dev, axis=1)) / t
     return MeanErrorCurves(np.sum(running**2, 1), distance)
+
+
+def finite_chains(z: dict, batched: bool) -> jax.Array:
+    """Whether a chain's position ``z`` is finite: one flag, or one per chain along
+    the leading axis when ``batched``."""
+    flags = [
+        jnp.isfinite(x).reshape(x.shape[0], -1).all(1)
+        if batched
+        else jnp.isfinite(x).all()
+        for x in jax.tree.leaves(z)
+    ]
+    return jnp.stack(flags).all(0)
+
+
+def warn_diverged(name: str, went, step, silo, step_size) -> None:
+    """Warn, on the host, that the chains flagged in ``went`` left finite values on
+    their Langevin step ``step`` (0-based), naming each chain, its step, silo and
+    step size. The samplers call it from inside their compiled step, so a chain never
+    turns to NaN silently (its draws still show the NaNs, as NumPyro's do)."""
+    went, step, silo, h = (
+        np.atleast_1d(np.asarray(x)) for x in (went, step, silo, step_size)
+    )
+    h = np.broadcast_to(h, went.shape)
+    where = ", ".join(
+        f"chain {c} at step {int(step[c])} on silo {int(silo[c])} (step size "
+        f"{float(h[c]):.3g})"
+        for c in np.flatnonzero(went)
+    )
+    warnings.warn(
+        f"{name}: the Langevin step diverged to non-finite values: {where}; the "
+        "chain's later draws are NaN. Lower step_size. Where a global scale sets "
+        "the spread of local sites (a funnel, as in a centred hierarchy), "
+        "non-centre the model (numpyro.infer.reparam.LocScaleReparam): the "
+        "curvature grows without bound toward the funnel's neck, beyond any fixed "
+        "step size.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+def warn_if_diverged(name: str, before: dict, after: dict, step, silo, step_size):
+    """Inside a compiled sampler step from position ``before`` to ``after`` (one
+    chain, or chains stacked along the leading axis of ``step``): call
+    :func:`warn_diverged` on the host for the chains that left finite values. One
+    unbatched ``cond``: the host hears only of the step a chain diverges on."""
+    batched = jnp.ndim(step) > 0
+    went = finite_chains(before, batched) & ~finite_chains(after, batched)
+    jax.lax.cond(
+        jnp.any(went),
+        lambda: jax.debug.callback(
+            partial(warn_diverged, name), went, step, silo, step_size
+        ),
+        lambda: None,
+    )

@@ -19,6 +19,7 @@ __all__ = [
     "fit_sgld",
     "fit_taylor",
     "fit_vi",
+    "integration_shift",
     "marginal",
     "proper_curvature",
     "tick",
@@ -103,33 +104,44 @@ def fit_laplace(log_target, u0, num_steps, proper, report: Report = None):
     loss = lambda u: -log_target(u)
     eye = jnp.eye(u0.shape[0], dtype=u0.dtype)
 
+    def derivatives(u):
+        value, grad = jax.value_and_grad(loss)(u)
+        return value, grad, jax.hessian(loss)(u)
+
     def cond(carry):
-        _, _, i, gnorm = carry
+        i, gnorm = carry[-2:]
         return (i < num_steps) & (gnorm > tol)
 
     def body(carry):
-        u, damping, i, _ = carry
+        u, value, grad, hess, damping, i, _ = carry
         if report is not None:
             # Under vmap a batched while_loop runs this body for finished silos
             # too (their carry frozen): only the silos still running count.
             report(cond(carry).astype(jnp.int32))
-        value, grad = jax.value_and_grad(loss)(u)
-        hess = jax.hessian(loss)(u)
         proposal = u - jnp.linalg.solve(hess + damping * eye, grad)
-        better = loss(proposal) <= value
-        u = jnp.where(better, proposal, u)
-        damping = jnp.where(better, damping / 10, damping * 10)
+        new = derivatives(proposal)
+        # A step to where the loss, its gradient or its curvature is not finite
+        # (down a funnel, where a scale underflows to 0) is refused like a worse
+        # one: the iterate and its Hessian stay finite.
+        finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in new]))
+        better = finite & (new[0] <= value)
+        keep = lambda a, b: jnp.where(better, a, b)  # noqa: E731
         # The gradient scales with the silo's size: compare it to |value| + 1. It
         # is the gradient before this step, so a converged fit ends with one more
         # Newton step, which takes it to round-off.
         gnorm = jnp.max(jnp.abs(grad)) / (jnp.abs(value) + 1.0)
-        return u, jnp.clip(damping, 1e-12, 1e12), i + 1, gnorm
+        damping = jnp.clip(jnp.where(better, damping / 10, damping * 10), 1e-12, 1e12)
+        u, value, grad, hess = (
+            keep(a, b)
+            for a, b in zip((proposal, *new), (u, value, grad, hess), strict=True)
+        )
+        return u, value, grad, hess, damping, i + 1, gnorm
 
-    start = (u0, jnp.asarray(1e-3, u0.dtype), jnp.zeros((), jnp.int32), jnp.inf)
-    u, _, steps, gnorm = jax.lax.while_loop(cond, body, start)
+    damping0 = jnp.asarray(1e-3, u0.dtype)
+    start = (u0, *derivatives(u0), damping0, jnp.zeros((), jnp.int32), jnp.inf)
+    u, _, _, hess, _, steps, gnorm = jax.lax.while_loop(cond, body, start)
     if report is not None:  # a converged silo's unused steps
         report(num_steps - steps)
-    hess = jax.hessian(loss)(u)
     eig, vec = jnp.linalg.eigh(0.5 * (hess + hess.T))
     # Without a prior share, only curvature that is negative beyond round-off is
     # clipped: a singular Hessian (a likelihood that does not identify every
@@ -140,6 +152,37 @@ def fit_laplace(log_target, u0, num_steps, proper, report: Report = None):
     improper = eig[0] <= bound if proper else eig[0] < -bound
     hess = jnp.where(improper, proper_curvature(eig, vec), hess)
     return u, hess, gnorm, improper
+
+
+def integration_shift(log_target, u, hess, dim):
+    """How far the joint mode ``u`` of a silo's target over :math:`(z_G, z_{L_s})` is
+    from the mode of its Laplace-approximated marginal in :math:`z_G`, in the
+    marginal's standard deviations, per global coordinate: the Newton step of
+    :math:`\\log \\int p(z_G, z_L) dz_L \\approx \\log p(z_G, \\hat z_L(z_G)) -
+    \\tfrac12 \\log\\det A_{LL}(z_G)` from ``u``, where :math:`A` is the negative
+    Hessian ``hess``. Zero when the local curvature :math:`A_{LL}` does not depend on
+    the position (a Gaussian hierarchy with known scales). Large where the local
+    sites' scale is a global site: the joint density concentrates where that scale
+    shrinks (a funnel) and its mode says nothing about the marginal's."""
+    if u.shape[0] == dim:
+        return jnp.zeros(dim, u.dtype)
+
+    def volume(v):
+        a = -jax.hessian(log_target)(v)[dim:, dim:]
+        return -0.5 * jnp.linalg.slogdet(0.5 * (a + a.T))[1]
+
+    grad = jax.grad(volume)(u)
+    # The local mode moves with z_G (dz_L/dz_G = -A_LL^{-1} A_LG): the total
+    # derivative of the volume term along the marginal.
+    total = grad[:dim] - hess[:dim, dim:] @ jnp.linalg.solve(
+        hess[dim:, dim:], grad[dim:]
+    )
+    prec, _ = marginal(u, hess, dim, False, True)
+    # A marginal flat in some direction (no prior share) moves without bound
+    # there: floored, its shift is huge but finite and names the coordinate.
+    eig, vec = jnp.linalg.eigh(prec)
+    cov = (vec / jnp.maximum(eig, curvature_floor(eig))) @ vec.T
+    return (cov @ total) / jnp.sqrt(jnp.abs(jnp.diag(cov)))
 
 
 def curvature_floor(eig):

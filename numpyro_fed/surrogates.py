@@ -39,6 +39,7 @@ from numpyro_fed.surrogate_fits import (
     fit_sgld,
     fit_taylor,
     fit_vi,
+    integration_shift,
     marginal,
     tolerances,
 )
@@ -169,6 +170,67 @@ def _silo_objective(
     return log_target, flat_local
 
 
+# Integrating out the local latents moves a sound joint mode by a fraction of a
+# standard deviation of the silo's marginal (1/sqrt(units) in a Gaussian hierarchy);
+# more than this many says the joint mode is a funnel's neck, not the marginal's mode.
+_MAX_SHIFT = 1.0
+
+
+def _refuse_funnels(
+    moved: np.ndarray, mode: np.ndarray, start: np.ndarray, pot: FederatedPotential
+):
+    """Refuse a Laplace fit whose joint mode is far below its marginal's along a
+    global coordinate (a funnel's neck), or where that distance overflows; warn
+    where it is far in another direction (too few units to pin the local sites).
+    Names the first such silo, the global coordinate at fault and the cause."""
+    names = [
+        s.name + (f"[{i}]" if int(np.prod(s.unconstrained_shape)) > 1 else "")
+        for s in pot.global_sites
+        for i in range(int(np.prod(s.unconstrained_shape)))
+    ]
+    bad = ~(np.abs(moved).max(axis=1) <= _MAX_SHIFT)
+    if not bad.any():
+        return
+    j = int(np.flatnonzero(bad)[0])
+    funnel = (
+        "a funnel: the local sites are drawn at a scale that is a global site, so "
+        "their joint density increases without bound as that scale goes to 0 (held "
+        "only by the prior share, if any), and a Gaussian at the joint mode misstates "
+        "what the silo says about the globals. Non-centre the local sites "
+        "(numpyro.infer.reparam.LocScaleReparam, or loc + scale * a standard "
+        "normal), or fit method='vi' or method='sgld', which average over them."
+    )
+    head = (
+        f"Silo {j}: the Laplace fit of the joint density of the global and local "
+        "sites has no mode near the mode of the silo's likelihood of the global "
+        f"sites (silos {np.flatnonzero(bad).tolist()} alike); "
+    )
+    if not np.isfinite(moved[j]).all():
+        # Curvature past overflow: the scale is the coordinate the fit ran furthest
+        # down, toward the funnel's neck.
+        k = int(np.argmin(mode[j] - start))
+        raise ValueError(
+            f"{head}the fit ran {names[k]!r} from {start[k]:.3g} to "
+            f"{mode[j, k]:.3g} (unconstrained), where the local sites' curvature "
+            f"overflows: {funnel}"
+        )
+    k = int(np.argmax(np.abs(moved[j])))
+    cause = (
+        f"integrating the local latents out moves {names[k]!r} (unconstrained "
+        f"{mode[j, k]:.3g}) by {abs(moved[j, k]):.3g} standard deviations"
+    )
+    if moved[j, k] > 0:  # up, where the local sites spread: a scale at its neck
+        raise ValueError(f"{head}{cause}, up: {funnel}")
+    warnings.warn(
+        f"{head}{cause}: the silo holds too few units to pin its local sites, so "
+        "its surrogate is a rough one (the conducive gradient stays unbiased, but "
+        "removes less variance). Fit method='vi' or method='sgld', which average "
+        "over the local sites, or pool more units per silo.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
 def _warn_unconverged(gnorm, improper, num_steps, tol):
     stopped = np.flatnonzero(gnorm > tol).tolist()
     clipped = np.flatnonzero(improper).tolist()
@@ -229,7 +291,12 @@ def fit_surrogates(
       floor (the surrogate is nearly flat there), and a warning names the silos that
       stopped short or were clipped. With ``prior_power > 0`` the target is proper,
       so zero and round-off curvature are clipped too; without it they are reported
-      (the silo's likelihood may not identify that direction).
+      (the silo's likelihood may not identify that direction). With local latents,
+      a joint mode more than one marginal standard deviation below the mode of the
+      silo's Laplace-marginal likelihood along a global site (a centred
+      hierarchy's funnel, whose joint density grows without bound as a scale goes
+      to 0) is refused, naming the silo and the site; off in another direction, it
+      is a warning (too few units to pin the local sites).
     - ``"sgld"``: Langevin dynamics on the local likelihood (full silo gradient,
       ``step_size``, ``num_warmup`` then ``num_samples`` steps), then moment matching,
       as in the paper (3,000 draws).
@@ -283,8 +350,9 @@ def fit_surrogates(
         result.
     :return: the natural parameters :math:`(h_s, \\Lambda_s)`, stacked by silo.
     :rtype: ~numpyro_fed.expfam.GaussianNat
-    :raises ValueError: for an unknown method or covariance, a missing step size, or
-        a fitted surrogate that is not a valid Gaussian (naming the silo).
+    :raises ValueError: for an unknown method or covariance, a missing step size, a
+        Laplace fit at a funnel's neck, or a fitted surrogate that is not a valid
+        Gaussian (naming the silo).
 
     **Example:**
 
@@ -359,9 +427,12 @@ def fit_surrogates(
             mode, hess, gnorm, improper = fit_laplace(
                 log_target, u0, num_steps, prior_power > 0, report
             )
-            return *marginal(mode, hess, dim, diagonal, True), gnorm, improper
+            shift = integration_shift(log_target, mode, hess, dim)
+            natural = marginal(mode, hess, dim, diagonal, True)
+            return *natural, gnorm, improper, shift, mode[:dim]
         natural = fit_natural(log_target, u0, key, report)
-        return *natural, jnp.zeros(()), jnp.zeros((), bool)
+        zeros = jnp.zeros(dim, u0.dtype)
+        return *natural, jnp.zeros(()), jnp.zeros((), bool), zeros, zeros
 
     def fit_natural(log_target, u0, key, report):
         if method == "taylor":
@@ -414,12 +485,12 @@ def fit_surrogates(
     inputs = (dict(data.arrays), data.mask, pot.nested, z_local0, keys, silos)
     try:
         if silo_batch_size is None:
-            prec, shift, gnorm, improper = jax.jit(jax.vmap(fit_one))(*inputs)
+            out = jax.jit(jax.vmap(fit_one))(*inputs)
         else:
             # Bounded memory: a Hessian of a silo's full data, vmapped over every
             # silo at once, can outgrow the machine (30 silos of 3,000 rows and a
             # 500-weight network ask for ~40 GB).
-            prec, shift, gnorm, improper = jax.jit(
+            out = jax.jit(
                 lambda a: jax.lax.map(
                     lambda x: fit_one(*x), a, batch_size=silo_batch_size
                 )
@@ -427,7 +498,10 @@ def fit_surrogates(
         jax.effects_barrier()  # every update has reached the bar
     finally:
         bar.close()
+    prec, shift, gnorm, improper, moved, mode = out
     if method == "laplace":
+        start = np.asarray(pot.flatten(pot.split(z0)[0]))
+        _refuse_funnels(np.asarray(moved), np.asarray(mode), start, pot)
         tol = tolerances(prec.dtype)[1]
         _warn_unconverged(np.asarray(gnorm), np.asarray(improper), num_steps, tol)
     advice = _NOT_IDENTIFIED

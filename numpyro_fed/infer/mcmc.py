@@ -41,7 +41,7 @@ from numpyro_fed.potentials import FederatedPotential, federated_potential
 from numpyro_fed.protocol import FederatedAlgorithm, jit_algorithm, silo_data_of
 from numpyro_fed.runtime import contact_round, round_bytes, sequential_round
 from numpyro_fed.runtime.accounting import nbytes
-from numpyro_fed.sgld_diagnostics import warn_lagging_locals
+from numpyro_fed.sgld_diagnostics import warn_if_diverged, warn_lagging_locals
 from numpyro_fed.surrogates import check_surrogates
 
 __all__ = ["DSGLD", "FSGLD", "CommStats", "ProtocolResult", "SGLDState"]
@@ -430,9 +430,11 @@ class FSGLD(MCMCKernel):
         """One Langevin step: one contact of the chain's silo (a state of another
         data layout is refused, naming the site)."""
         data = self._data(model_args, model_kwargs)
-        if is_prng_key(state.rng_key):
-            return self._step(state, data)
-        return jax.vmap(self._step, in_axes=(0, None))(state, data)
+        one = is_prng_key(state.rng_key)
+        new = (self._step if one else jax.vmap(self._step, (0, None)))(state, data)
+        h = self._step_size(state.step)
+        warn_if_diverged(type(self).__name__, state.z, new.z, state.step, state.silo, h)
+        return new
 
     def postprocess_fn(self, model_args: tuple, model_kwargs: dict) -> Callable:
         """Unconstrained position -> constrained sites, local sites in pooled order."""
