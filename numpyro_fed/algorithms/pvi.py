@@ -93,6 +93,7 @@ def pvi(
     analytic_kl: bool = True,
     stl: bool = True,
     local_solver: str = "adam",
+    local_guide_steps: int = 1,
     padded: bool = True,
     observed_fn: Callable | None = None,
     cavity: Cavity | None = None,
@@ -128,6 +129,8 @@ def pvi(
         Gaussian likelihoods; a local guide takes one ``local_optim`` step per
         iteration, and the silo's likelihood at a global point is its bound over its
         local latents).
+    :param int local_guide_steps: ``"natural"`` solver: ``local_optim`` steps of the
+        local guide (if any) per fixed-point iteration.
     :param bool padded: some silos carry padded units that must be masked out.
     :param callable observed_fn: a robust loss applied to each observation's
         log-likelihood (see :func:`~numpyro_fed.densities.silo_log_density`).
@@ -356,13 +359,34 @@ def pvi(
                 keys = noise_keys(step_key, num_particles)
                 if eta_l_u:
                     glob_u = unconstrain(glob_c, to_guide(cav.plus(factor)))
-                    grads = local_grad(glob_u, eta_l_u, message.theta, keys, data)
-                    new_eta, new_optim = ascent(
-                        local_optim, grads, optim_state, eta_l_u
+
+                    def guide_step(carry, guide_keys):
+                        eta_l_u, optim_state = carry
+                        grads = local_grad(
+                            glob_u, eta_l_u, message.theta, guide_keys, data
+                        )
+                        new_eta, new_optim = ascent(
+                            local_optim, grads, optim_state, eta_l_u
+                        )
+                        ok = all_finite((grads, new_eta))
+                        return tree_where(
+                            ok, (new_eta, new_optim), (eta_l_u, optim_state)
+                        ), None
+
+                    # q's step is exact and the local guide's is a small first-order
+                    # one, so the guide takes several per iteration (radon: with one,
+                    # the county effects lag q for 50+ rounds).
+                    guide_keys = (
+                        keys[None]
+                        if local_guide_steps == 1
+                        else jax.vmap(lambda k: noise_keys(k, num_particles))(
+                            jax.random.split(
+                                jax.random.fold_in(step_key, 2), local_guide_steps
+                            )
+                        )
                     )
-                    ok = all_finite((grads, new_eta))
-                    eta_l_u, optim_state = tree_where(
-                        ok, (new_eta, new_optim), (eta_l_u, optim_state)
+                    (eta_l_u, optim_state), _ = lax.scan(
+                        guide_step, (eta_l_u, optim_state), guide_keys
                     )
                 # A fixed-point step is shortened until the local q is valid and
                 # the silo's free energy (at the sigma points) has not fallen: a

@@ -33,7 +33,7 @@ from numpyro_fed.families.structured import AutoGlobalLocalNormal, AutoMeanField
 from numpyro_fed.infer.driver import Driver, FederatedState, RunResult
 from numpyro_fed.infer.posterior import sample_structured
 from numpyro_fed.infer.rounds import loss_drift
-from numpyro_fed.infer.vi import local_params
+from numpyro_fed.infer.vi import local_params, pooled_guide_params
 from numpyro_fed.partition import nested_sizes
 from numpyro_fed.util import constrain
 
@@ -77,6 +77,15 @@ class PVIParams(NamedTuple):
     theta: dict
     eta_global: dict
     eta_local: dict
+
+    def __contains__(self, name: object) -> bool:
+        # NumPyro's substitute (under Predictive, for one) asks ``name in params``;
+        # a tuple answers False for every site, and the guide would silently draw
+        # from its initial values instead of the fitted q.
+        raise TypeError(
+            "PVIParams is not a dict of NumPyro parameters: pass "
+            "pvi.pooled_params(params, data) to Predictive, with guide=pvi.guide."
+        )
 
 
 def _resolve_guide(model: Callable, guide: Any) -> AutoGlobalLocalNormal:
@@ -150,6 +159,11 @@ class PVI(Driver):
         against the exact 0.022); PVI warns when it is asked for that. The natural
         solver's step is the silo's own information, so it does not. Its cost grows
         with the square of the global dimension (a Hessian at 2d sigma points).
+    :param int local_guide_steps: ``local_solver="natural"``: ``local_optim`` steps
+        of the local guide (a model with local latents) per fixed-point iteration.
+        q's iteration is a Newton step and the guide's a small first-order one, so it
+        takes several (radon, 85 county silos: with 1, the county effects lag q for
+        50+ rounds).
     :param hyper_optim: the server's optax optimizer for ``numpyro.param`` sites
         (default ``optax.adam(1e-2)``).
     :param int max_staleness: asynchronous schedule: the largest number of updates a
@@ -210,6 +224,7 @@ class PVI(Driver):
         analytic_kl: bool = True,
         stl: bool = True,
         local_solver: str | None = None,
+        local_guide_steps: int = 10,
         hyper_optim: optax.GradientTransformation | None = None,
         max_staleness: int = 2,
         order: str = "cyclic",
@@ -225,6 +240,7 @@ class PVI(Driver):
             raise ValueError(f"damping must be in (0, 1], got {damping!r}.")
         local_steps = check_count("local_steps", local_steps)
         num_particles = check_count("num_particles", num_particles)
+        local_guide_steps = check_count("local_guide_steps", local_guide_steps)
         if local_solver not in (None, "adam", "natural"):
             raise ValueError(
                 f"local_solver must be 'adam' or 'natural', got {local_solver!r}."
@@ -253,6 +269,7 @@ class PVI(Driver):
         self.analytic_kl = analytic_kl
         self.stl = stl
         self.local_solver = local_solver
+        self.local_guide_steps = local_guide_steps
         # The solver in use: local_solver, or (None) chosen at set-up, once the
         # model's local latent sites are known; an optimizer the user gave is one
         # they mean to be used.
@@ -329,6 +346,7 @@ class PVI(Driver):
             analytic_kl=self.analytic_kl,
             stl=self.stl,
             local_solver=self.solver,
+            local_guide_steps=self.local_guide_steps,
             padded=min(data.sizes) < data.padded_size,
         )
 
@@ -426,6 +444,14 @@ class PVI(Driver):
             guide_params(state.server.q, self.guide.global_cov == "full"),
             local_params(local_c, state.silos),
         )
+
+    def pooled_params(self, params: PVIParams, data: Any) -> dict[str, jax.Array]:
+        """``params`` under the names and pooled layout of :attr:`guide` (the
+        :class:`~numpyro_fed.AutoGlobalLocalNormal` PVI fits, also when it was given
+        NumPyro's ``AutoNormal``): ``Predictive(model, guide=pvi.guide,
+        params=pvi.pooled_params(result.params, data))`` draws from the fitted
+        :math:`q`."""
+        return pooled_guide_params(params, data)
 
     def refines_prior(self, data: Any) -> bool:
         """Whether the server refines a factor :math:`t_0` for the prior (the prior
