@@ -55,15 +55,19 @@ def central(post, steps, key):
     draws = guide.sample_posterior(
         jax.random.fold_in(key, 1), params, sample_shape=(_DRAWS,)
     )
-    return {k: (np.asarray(draws[k]).mean(0), np.asarray(draws[k]).std(0))
-            for k in post.reference}
+    return {
+        k: (np.asarray(draws[k]).mean(0), np.asarray(draws[k]).std(0))
+        for k in post.reference
+    }
 
 
 def moments(fit, state, post, key):
     params = fit.get_params(state)
     draws = fit.sample_posterior(key, params, post.data, num_samples=_DRAWS)
-    return {k: (np.asarray(draws[k]).mean(0), np.asarray(draws[k]).std(0))
-            for k in post.reference}
+    return {
+        k: (np.asarray(draws[k]).mean(0), np.asarray(draws[k]).std(0))
+        for k in post.reference
+    }
 
 
 def compare(got, target, post):
@@ -93,16 +97,25 @@ def main(argv=None):
             c = central(post, args.svi_steps, jax.random.key(1))
             cache[name] = {k: [v[0].tolist(), v[1].tolist()] for k, v in c.items()}
             args.cache.write_text(json.dumps(cache, indent=1))
-            print(f"{name}: central SVI {time.perf_counter() - start:.0f} s", flush=True)
-        target = {k: (np.asarray(m), np.asarray(s)) for k, (m, s) in cache[name].items()}
+            print(
+                f"{name}: central SVI {time.perf_counter() - start:.0f} s", flush=True
+            )
+        target = {
+            k: (np.asarray(m), np.asarray(s)) for k, (m, s) in cache[name].items()
+        }
         ref = {k: (r.mean, r.sd) for k, r in post.reference.items()}
         fit = nf.PVI(post.fed_model, **options)
         state = fit.init(jax.random.key(0), post.data)
         start, converged, done = time.perf_counter(), None, 0
         while done < args.rounds:
             try:
-                result = fit.run(jax.random.key(done), args.every, post.data,
-                                 init_state=state, progress_bar=False)
+                result = fit.run(
+                    jax.random.key(done),
+                    args.every,
+                    post.data,
+                    init_state=state,
+                    progress_bar=False,
+                )
             except Exception as e:  # noqa: BLE001  (reported in the table)
                 print(f"{name}: round {done}: {type(e).__name__}: {e}", flush=True)
                 break
@@ -114,13 +127,19 @@ def main(argv=None):
                 converged = done
             elif err > 0.1:
                 converged = None
-            print(f"{name} round {done:4d}: vs SVI {err:7.3f} sd, ratio {lo:.2f}-{hi:.2f}"
-                  f" | vs ref {rerr:7.3f} sd, ratio {rlo:.2f}-{rhi:.2f}"
-                  f" | loss {float(np.mean(result.losses[-3:])):.2f}"
-                  f" | {time.perf_counter() - start:.0f} s", flush=True)
+            print(
+                f"{name} round {done:4d}: vs SVI {err:7.3f} sd, ratio {lo:.2f}-{hi:.2f}"
+                f" | vs ref {rerr:7.3f} sd, ratio {rlo:.2f}-{rhi:.2f}"
+                f" | loss {float(np.mean(result.losses[-3:])):.2f}"
+                f" | {time.perf_counter() - start:.0f} s",
+                flush=True,
+            )
         c_err, c_lo, c_hi = compare(target, ref, post)
-        print(f"{name}: central SVI vs ref {c_err:.3f} sd, ratio {c_lo:.2f}-{c_hi:.2f};"
-              f" PVI within 0.1 sd of SVI from round {converged}", flush=True)
+        print(
+            f"{name}: central SVI vs ref {c_err:.3f} sd, ratio {c_lo:.2f}-{c_hi:.2f};"
+            f" PVI within 0.1 sd of SVI from round {converged}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -340,7 +340,9 @@ def pvi(
                 )
                 jacobi = resid / (cav.prec + prec)
                 step = jnp.where(jnp.all(jnp.isfinite(newton)), newton, jacobi)
-                return GaussianNat(grad + prec * mean + (cav.prec + prec) * (step - jacobi), prec)
+                return GaussianNat(
+                    grad + prec * mean + (cav.prec + prec) * (step - jacobi), prec
+                )
 
             def local_value(q, eta_l_u, keys):
                 eta_g = to_guide(q)

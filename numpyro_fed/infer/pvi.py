@@ -53,6 +53,12 @@ _SCHEDULES = {
 _ADAM_SILOS = 100
 
 
+# Synchronous damping with the natural solver: German credit converges in 20 rounds
+# at 1, 25 at 1/2, 60 at 1/J = 1/5; radon (85 silos, local latents) is 1.3 sds off
+# after 60 rounds at 1, 0.7 after 80 at 1/2, 12.6 after 80 at 1/J.
+_NATURAL_DAMPING = 0.5
+
+
 class InvalidCavity(ValueError):
     """A silo's cavity :math:`q / t_m` is not a normalizable Gaussian, so its local
     free energy is undefined (Bui et al.'s non-log-concave hazard). ``state`` is the
@@ -130,8 +136,16 @@ class PVI(Driver):
         iterations with ``local_solver="natural"``).
     :param float damping: :math:`\\rho \\in (0, 1]`, the fraction of its update each
         silo sends (1 = undamped; the paper's E.4 "damping factor" is
-        :math:`1 - \\rho`). Default: :math:`1/J` for the synchronous schedule (keeps q
-        a convex combination of valid Gaussians), 1 otherwise.
+        :math:`1 - \\rho`). Default for the synchronous schedule: 1/2 with
+        ``local_solver="natural"``, whose local solves are deterministic Newton
+        steps, and :math:`1/J` with ``"adam"`` (keeps q a convex combination of valid
+        Gaussians while stochastic local solves are inexact); 1 otherwise. Measured
+        at the defaults, against centralized NumPyro SVI with the same mean-field
+        family (within 0.1 reference sd of its means): German credit (5 silos)
+        converges in 25 rounds (60 at :math:`\\rho = 1/J`); radon with HalfNormal
+        scales (85 county silos) is 0.7 sd off at 80 rounds and approaching (12.6 at
+        :math:`\\rho = 1/J`): a model with local latents needs more rounds, as its
+        local guides move by first-order steps.
     :param str schedule: ``"synchronous"`` (every silo from the same q: the
         ``"simulate"`` runtime), ``"sequential"`` (one silo after another: the
         ``"events"`` runtime) or ``"asynchronous"`` (one after another, each from a q
@@ -282,7 +296,11 @@ class PVI(Driver):
         """The damping used with ``num_silos`` silos."""
         if self.damping is not None:
             return self.damping
-        return 1.0 / num_silos if self.schedule == "synchronous" else 1.0
+        if self.schedule != "synchronous":
+            return 1.0
+        # Before set-up the solver is the default one for the optimizer given.
+        solver = self.solver or ("adam" if self.explicit_optim else "natural")
+        return 1.0 / num_silos if solver == "adam" else _NATURAL_DAMPING
 
     # ------------------------------------------------------------ driver hooks
     def _setup(self, data: Any) -> None:

@@ -383,7 +383,9 @@ def test_predictive_runs_the_fitted_q_from_pooled_params():
     y = jnp.asarray(np.random.default_rng(0).normal(size=(5, 4)) + 1.0)
     fed = nf.federate(m.normal_normal, silos="group")
     data = nf.FederatedData.from_groups(np.array([0, 0, 1, 1, 1]), y=y)
-    pvi = nf.PVI(fed, local_optim=optax.adam(0.1), schedule="sequential", local_steps=20)
+    pvi = nf.PVI(
+        fed, local_optim=optax.adam(0.1), schedule="sequential", local_steps=20
+    )
     params = pvi.run(jax.random.key(0), 5, data, progress_bar=False).params
     loc = float(params.eta_global["loc"][0])
     scale = float(params.eta_global["scale"][0])
