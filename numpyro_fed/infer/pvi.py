@@ -51,11 +51,7 @@ _SCHEDULES = {
 # Sequential PVI with Adam's fixed-size local steps: 200 one-group silos already end
 # 7 % too narrow after 150 passes, 2,000 collapse.
 _ADAM_SILOS = 100
-
-
-# Synchronous damping with the natural solver: German credit converges in 20 rounds
-# at 1, 25 at 1/2, 60 at 1/J = 1/5; radon (85 silos, local latents) is 1.3 sds off
-# after 60 rounds at 1, 0.7 after 80 at 1/2, 12.6 after 80 at 1/J.
+# Synchronous damping with the natural solver (measured: see the class docstring).
 _NATURAL_DAMPING = 0.5
 
 
@@ -85,9 +81,8 @@ class PVIParams(NamedTuple):
     eta_local: dict
 
     def __contains__(self, name: object) -> bool:
-        # NumPyro's substitute (under Predictive, for one) asks ``name in params``;
-        # a tuple answers False for every site, and the guide would silently draw
-        # from its initial values instead of the fitted q.
+        # NumPyro's substitute asks ``name in params``; a tuple would answer False
+        # and the guide would silently draw from its initial values (issue 21).
         raise TypeError(
             "PVIParams is not a dict of NumPyro parameters: pass "
             "pvi.pooled_params(params, data) to Predictive, with guide=pvi.guide."
@@ -136,16 +131,13 @@ class PVI(Driver):
         iterations with ``local_solver="natural"``).
     :param float damping: :math:`\\rho \\in (0, 1]`, the fraction of its update each
         silo sends (1 = undamped; the paper's E.4 "damping factor" is
-        :math:`1 - \\rho`). Default for the synchronous schedule: 1/2 with
-        ``local_solver="natural"``, whose local solves are deterministic Newton
-        steps, and :math:`1/J` with ``"adam"`` (keeps q a convex combination of valid
-        Gaussians while stochastic local solves are inexact); 1 otherwise. Measured
-        at the defaults, against centralized NumPyro SVI with the same mean-field
-        family (within 0.1 reference sd of its means): German credit (5 silos)
-        converges in 25 rounds (60 at :math:`\\rho = 1/J`); radon with HalfNormal
-        scales (85 county silos) is 0.7 sd off at 80 rounds and approaching (12.6 at
-        :math:`\\rho = 1/J`): a model with local latents needs more rounds, as its
-        local guides move by first-order steps.
+        :math:`1 - \\rho`). Default: 1 for the sequential and asynchronous
+        schedules; synchronous, 1/2 with the natural solver's deterministic local
+        solves, :math:`1/J` with Adam's stochastic ones (q stays a convex combination
+        of valid Gaussians). Measured at the defaults against centralized mean-field
+        SVI: German credit (5 silos) within 0.1 reference sd in 25 rounds (60 at
+        :math:`1/J`); radon (85 county silos, local latents) 0.7 sd off after 80
+        rounds, still approaching (12.6 at :math:`1/J`).
     :param str schedule: ``"synchronous"`` (every silo from the same q: the
         ``"simulate"`` runtime), ``"sequential"`` (one silo after another: the
         ``"events"`` runtime) or ``"asynchronous"`` (one after another, each from a q
@@ -174,10 +166,8 @@ class PVI(Driver):
         solver's step is the silo's own information, so it does not. Its cost grows
         with the square of the global dimension (a Hessian at 2d sigma points).
     :param int local_guide_steps: ``local_solver="natural"``: ``local_optim`` steps
-        of the local guide (a model with local latents) per fixed-point iteration.
-        q's iteration is a Newton step and the guide's a small first-order one, so it
-        takes several (radon, 85 county silos: with 1, the county effects lag q for
-        50+ rounds).
+        of the local guide per fixed-point iteration (q's step is Newton's, the
+        guide's first-order: with 1, radon's county effects lag q for 50+ rounds).
     :param hyper_optim: the server's optax optimizer for ``numpyro.param`` sites
         (default ``optax.adam(1e-2)``).
     :param int max_staleness: asynchronous schedule: the largest number of updates a
@@ -297,8 +287,7 @@ class PVI(Driver):
         if self.damping is not None:
             return self.damping
         if self.schedule != "synchronous":
-            return 1.0
-        # Before set-up the solver is the default one for the optimizer given.
+            return 1.0  # before set-up: the default solver for the optimizer given
         solver = self.solver or ("adam" if self.explicit_optim else "natural")
         return 1.0 / num_silos if solver == "adam" else _NATURAL_DAMPING
 
@@ -464,11 +453,9 @@ class PVI(Driver):
         )
 
     def pooled_params(self, params: PVIParams, data: Any) -> dict[str, jax.Array]:
-        """``params`` under the names and pooled layout of :attr:`guide` (the
-        :class:`~numpyro_fed.AutoGlobalLocalNormal` PVI fits, also when it was given
-        NumPyro's ``AutoNormal``): ``Predictive(model, guide=pvi.guide,
-        params=pvi.pooled_params(result.params, data))`` draws from the fitted
-        :math:`q`."""
+        """``params`` under the names and pooled layout of :attr:`guide` (what PVI
+        fits, also when given ``AutoNormal``): ``Predictive(model, guide=pvi.guide,
+        params=pvi.pooled_params(result.params, data))`` draws from the fitted q."""
         return pooled_guide_params(params, data)
 
     def refines_prior(self, data: Any) -> bool:
