@@ -71,9 +71,8 @@ from numpyro_fed.util import all_finite, ascent, constrain, tree_where, unconstr
 __all__ = ["pvi"]
 
 _LOG_2PI_E = float(np.log(2 * np.pi) + 1.0)
-# The natural solver's line search: halvings before a step is dropped, and the
-# relative fall of the free energy it tolerates (its sigma-point estimate is not
-# exactly the objective whose fixed point the step seeks).
+# The natural solver's line search: halvings before a step is dropped; the relative
+# fall it tolerates (the sigma-point free energy is not exactly the step's objective).
 _HALVINGS = 20
 _SLACK = 1e-6
 
@@ -94,6 +93,7 @@ def pvi(
     stl: bool = True,
     local_solver: str = "adam",
     local_guide_steps: int = 1,
+    reset_optimizer: bool = False,
     padded: bool = True,
     observed_fn: Callable | None = None,
     cavity: Cavity | None = None,
@@ -131,6 +131,7 @@ def pvi(
         local latents).
     :param int local_guide_steps: ``"natural"`` solver: ``local_optim`` steps of the
         local guide (if any) per fixed-point iteration.
+    :param bool reset_optimizer: ``"adam"`` solver: a fresh optimizer state each round.
     :param bool padded: some silos carry padded units that must be masked out.
     :param callable observed_fn: a robust loss applied to each observation's
         log-likelihood (see :func:`~numpyro_fed.densities.silo_log_density`).
@@ -225,9 +226,8 @@ def pvi(
         return jnp.mean(jax.vmap(one)(keys))
 
     def line_search(q0: GaussianNat, step: GaussianNat, value: Callable):
-        """:math:`\\eta_{q_0} + s\\,\\Delta\\eta` with the largest :math:`s \\in \\{1,
-        \\frac12, \\dots\\}` (at most ``_HALVINGS`` halvings, else 0) that keeps q
-        valid and ``value`` (the local free energy) no lower, up to round-off."""
+        """q0 + s step for the largest s in {1, 1/2, ...} (else 0) that keeps q valid
+        and ``value`` (the local free energy) no lower, up to round-off."""
         f0 = value(q0)
         slack = _SLACK * (1.0 + jnp.abs(f0))
 
@@ -294,7 +294,10 @@ def pvi(
 
             (params, optim_state, key), _ = lax.scan(
                 one_step,
-                (params, state.optim_state, state.rng_key),
+                # Adam's moments from earlier rounds describe another q (issue 20).
+                (params, local_optim.init(params), state.rng_key)
+                if reset_optimizer
+                else (params, state.optim_state, state.rng_key),
                 None,
                 length=local_steps,
             )
@@ -328,11 +331,9 @@ def pvi(
                     prec = -0.5 * (hess + hess.T)
                     return GaussianNat(grad + prec @ mean, prec)
                 prec = -jnp.diagonal(hess)
-                # The variances' fixed point needs only the diagonal, but a mean step
-                # through it alone is a Jacobi iteration, which diverges on correlated
-                # coordinates (German credit: 41 sds off): the mean takes the Newton
-                # step with the whole expected Hessian, and the Jacobi one only where
-                # the tilted precision is not positive definite.
+                # A mean step through the diagonal alone is a Jacobi iteration that
+                # diverges on correlated inputs (German credit: 41 sds off): Newton's
+                # with the whole Hessian, Jacobi's where the tilted one is not PD.
                 resid = grad + cav.h - cav.prec * mean
                 tilted = jnp.diag(cav.prec) - 0.5 * (hess + hess.T)
                 newton = jax.scipy.linalg.cho_solve(
@@ -390,11 +391,9 @@ def pvi(
                     (eta_l_u, optim_state), _ = lax.scan(
                         guide_step, (eta_l_u, optim_state), guide_keys
                     )
-                # A fixed-point step is shortened until the local q is valid and
-                # the silo's free energy (at the sigma points) has not fallen: a
-                # Newton step through a wide q overshoots on exponential terms such as
-                # log-scales (radon: precisions of 1e140 after one round, then an
-                # invalid cavity).
+                # Shortened until the local q is valid and the free energy has not
+                # fallen: a Newton step through a wide q overshoots on log-scales
+                # (radon: precisions of 1e140 after a round, then InvalidCavity).
                 step = target(factor, eta_l_u, keys).minus(factor)
                 value = lambda q: local_value(q, eta_l_u, keys)
                 q = line_search(cav.plus(factor), step, value)

@@ -48,11 +48,9 @@ _SCHEDULES = {
 }
 
 
-# Sequential PVI with Adam's fixed-size local steps: 200 one-group silos already end
-# 7 % too narrow after 150 passes, 2,000 collapse.
+# Sequential Adam local steps: 200 one-group silos end 7 % too narrow, 2,000 collapse.
 _ADAM_SILOS = 100
-# Synchronous damping with the natural solver (measured: see the class docstring).
-_NATURAL_DAMPING = 0.5
+_NATURAL_DAMPING = 0.5  # synchronous, natural solver (measured: the class docstring)
 
 
 class InvalidCavity(ValueError):
@@ -131,13 +129,11 @@ class PVI(Driver):
         iterations with ``local_solver="natural"``).
     :param float damping: :math:`\\rho \\in (0, 1]`, the fraction of its update each
         silo sends (1 = undamped; the paper's E.4 "damping factor" is
-        :math:`1 - \\rho`). Default: 1 for the sequential and asynchronous
-        schedules; synchronous, 1/2 with the natural solver's deterministic local
-        solves, :math:`1/J` with Adam's stochastic ones (q stays a convex combination
-        of valid Gaussians). Measured at the defaults against centralized mean-field
-        SVI: German credit (5 silos) within 0.1 reference sd in 25 rounds (60 at
-        :math:`1/J`); radon (85 county silos, local latents) 0.7 sd off after 80
-        rounds, still approaching (12.6 at :math:`1/J`).
+        :math:`1 - \\rho`). Default: 1, or if synchronous 1/2 with the natural
+        solver, :math:`1/J` with Adam's noisy solves. Measured against central
+        mean-field SVI: German credit (5 silos) within 0.1 reference sd in 25 rounds
+        (60 at :math:`1/J`); radon (85 county silos) 0.25-0.33 sd off after 120
+        rounds (HalfNormal scales: 12.6 at :math:`1/J` after 80).
     :param str schedule: ``"synchronous"`` (every silo from the same q: the
         ``"simulate"`` runtime), ``"sequential"`` (one silo after another: the
         ``"events"`` runtime) or ``"asynchronous"`` (one after another, each from a q
@@ -165,9 +161,10 @@ class PVI(Driver):
         against the exact 0.022); PVI warns when it is asked for that. The natural
         solver's step is the silo's own information, so it does not. Its cost grows
         with the square of the global dimension (a Hessian at 2d sigma points).
-    :param int local_guide_steps: ``local_solver="natural"``: ``local_optim`` steps
-        of the local guide per fixed-point iteration (q's step is Newton's, the
-        guide's first-order: with 1, radon's county effects lag q for 50+ rounds).
+    :param int local_guide_steps: ``local_solver="natural"``: ``local_optim`` steps of
+        the local guide per iteration (1: radon's county effects lag q 50+ rounds).
+    :param bool reset_optimizer: ``local_solver="adam"``: a fresh optimizer state each
+        round (Adam's moments otherwise remember round 1's large gradients).
     :param hyper_optim: the server's optax optimizer for ``numpyro.param`` sites
         (default ``optax.adam(1e-2)``).
     :param int max_staleness: asynchronous schedule: the largest number of updates a
@@ -229,6 +226,7 @@ class PVI(Driver):
         stl: bool = True,
         local_solver: str | None = None,
         local_guide_steps: int = 10,
+        reset_optimizer: bool = False,
         hyper_optim: optax.GradientTransformation | None = None,
         max_staleness: int = 2,
         order: str = "cyclic",
@@ -274,6 +272,7 @@ class PVI(Driver):
         self.stl = stl
         self.local_solver = local_solver
         self.local_guide_steps = local_guide_steps
+        self.reset_optimizer = reset_optimizer
         # The solver in use: local_solver, or (None) chosen at set-up, once the
         # model's local latent sites are known; an optimizer the user gave is one
         # they mean to be used.
@@ -354,6 +353,7 @@ class PVI(Driver):
             stl=self.stl,
             local_solver=self.solver,
             local_guide_steps=self.local_guide_steps,
+            reset_optimizer=self.reset_optimizer,
             padded=min(data.sizes) < data.padded_size,
         )
 
