@@ -71,6 +71,10 @@ from numpyro_fed.util import all_finite, ascent, constrain, tree_where, unconstr
 __all__ = ["pvi"]
 
 _LOG_2PI_E = float(np.log(2 * np.pi) + 1.0)
+# The natural solver's line search: halvings before a step is dropped; the relative
+# fall it tolerates (the sigma-point free energy is not exactly the step's objective).
+_HALVINGS = 20
+_SLACK = 1e-6
 
 
 def pvi(
@@ -88,6 +92,8 @@ def pvi(
     analytic_kl: bool = True,
     stl: bool = True,
     local_solver: str = "adam",
+    local_guide_steps: int = 1,
+    reset_optimizer: bool = False,
     padded: bool = True,
     observed_fn: Callable | None = None,
     cavity: Cavity | None = None,
@@ -123,6 +129,9 @@ def pvi(
         Gaussian likelihoods; a local guide takes one ``local_optim`` step per
         iteration, and the silo's likelihood at a global point is its bound over its
         local latents).
+    :param int local_guide_steps: ``"natural"`` solver: ``local_optim`` steps of the
+        local guide (if any) per fixed-point iteration.
+    :param bool reset_optimizer: ``"adam"`` solver: a fresh optimizer state each round.
     :param bool padded: some silos carry padded units that must be masked out.
     :param callable observed_fn: a robust loss applied to each observation's
         log-likelihood (see :func:`~numpyro_fed.densities.silo_log_density`).
@@ -216,6 +225,27 @@ def pvi(
 
         return jnp.mean(jax.vmap(one)(keys))
 
+    def line_search(q0: GaussianNat, step: GaussianNat, value: Callable):
+        """q0 + s step for the largest s in {1, 1/2, ...} (else 0) that keeps q valid
+        and ``value`` (the local free energy) no lower, up to round-off."""
+        f0 = value(q0)
+        slack = _SLACK * (1.0 + jnp.abs(f0))
+
+        def rejected(s):
+            q = q0.plus(step.times(s))
+            ok = is_valid(q)
+            f = value(tree_where(ok, q, q0))
+            better = (f >= f0 - slack) | ~jnp.isfinite(f0)
+            return ~(ok & jnp.isfinite(f) & better)
+
+        s, _ = lax.while_loop(
+            lambda c: rejected(c[0]) & (c[1] < _HALVINGS),
+            lambda c: (0.5 * c[0], c[1] + 1),
+            (jnp.ones((), q0.h.dtype), 0),
+        )
+        s = jnp.where(rejected(s), 0.0, s)
+        return q0.plus(step.times(s))
+
     # ------------------------------------------------------ local free energy
     def make_step(is_prior: bool):
         term = prior_term if is_prior else silo_term
@@ -264,7 +294,10 @@ def pvi(
 
             (params, optim_state, key), _ = lax.scan(
                 one_step,
-                (params, state.optim_state, state.rng_key),
+                # Adam's moments from earlier rounds describe another q (issue 20).
+                (params, local_optim.init(params), state.rng_key)
+                if reset_optimizer
+                else (params, state.optim_state, state.rng_key),
                 None,
                 length=local_steps,
             )
@@ -298,7 +331,30 @@ def pvi(
                     prec = -0.5 * (hess + hess.T)
                     return GaussianNat(grad + prec @ mean, prec)
                 prec = -jnp.diagonal(hess)
-                return GaussianNat(grad + prec * mean, prec)
+                # A mean step through the diagonal alone is a Jacobi iteration that
+                # diverges on correlated inputs (German credit: 41 sds off): Newton's
+                # with the whole Hessian, Jacobi's where the tilted one is not PD.
+                resid = grad + cav.h - cav.prec * mean
+                tilted = jnp.diag(cav.prec) - 0.5 * (hess + hess.T)
+                newton = jax.scipy.linalg.cho_solve(
+                    (jnp.linalg.cholesky(tilted), True), resid
+                )
+                jacobi = resid / (cav.prec + prec)
+                step = jnp.where(jnp.all(jnp.isfinite(newton)), newton, jacobi)
+                return GaussianNat(
+                    grad + prec * mean + (cav.prec + prec) * (step - jacobi), prec
+                )
+
+            def local_value(q, eta_l_u, keys):
+                eta_g = to_guide(q)
+
+                def loglik(u):
+                    return log_lik_at(
+                        is_prior, u, message.theta, data, eta_g, eta_l_u, keys
+                    )
+
+                expected = jnp.mean(jax.vmap(loglik)(sigma_points(q)))
+                return expected + expected_log_factor(cav, q) + entropy(eta_g)
 
             def iterate(carry, _):
                 factor, eta_l_u, optim_state, key = carry
@@ -306,18 +362,41 @@ def pvi(
                 keys = noise_keys(step_key, num_particles)
                 if eta_l_u:
                     glob_u = unconstrain(glob_c, to_guide(cav.plus(factor)))
-                    grads = local_grad(glob_u, eta_l_u, message.theta, keys, data)
-                    new_eta, new_optim = ascent(
-                        local_optim, grads, optim_state, eta_l_u
+
+                    def guide_step(carry, guide_keys):
+                        eta_l_u, optim_state = carry
+                        grads = local_grad(
+                            glob_u, eta_l_u, message.theta, guide_keys, data
+                        )
+                        new_eta, new_optim = ascent(
+                            local_optim, grads, optim_state, eta_l_u
+                        )
+                        ok = all_finite((grads, new_eta))
+                        return tree_where(
+                            ok, (new_eta, new_optim), (eta_l_u, optim_state)
+                        ), None
+
+                    # q's step is exact and the local guide's is a small first-order
+                    # one, so the guide takes several per iteration (radon: with one,
+                    # the county effects lag q for 50+ rounds).
+                    guide_keys = (
+                        keys[None]
+                        if local_guide_steps == 1
+                        else jax.vmap(lambda k: noise_keys(k, num_particles))(
+                            jax.random.split(
+                                jax.random.fold_in(step_key, 2), local_guide_steps
+                            )
+                        )
                     )
-                    ok = all_finite((grads, new_eta))
-                    eta_l_u, optim_state = tree_where(
-                        ok, (new_eta, new_optim), (eta_l_u, optim_state)
+                    (eta_l_u, optim_state), _ = lax.scan(
+                        guide_step, (eta_l_u, optim_state), guide_keys
                     )
-                # A fixed-point step that would leave the local q invalid (a
-                # non-log-concave likelihood seen through a wide q) is shortened.
+                # Shortened until the local q is valid and the free energy has not
+                # fallen: a Newton step through a wide q overshoots on log-scales
+                # (radon: precisions of 1e140 after a round, then InvalidCavity).
                 step = target(factor, eta_l_u, keys).minus(factor)
-                q, _ = apply_update(cav.plus(factor), step)
+                value = lambda q: local_value(q, eta_l_u, keys)
+                q = line_search(cav.plus(factor), step, value)
                 return (q.minus(cav), eta_l_u, optim_state, key), None
 
             carry = (state.factor, state.eta_local, state.optim_state, state.rng_key)

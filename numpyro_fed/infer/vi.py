@@ -226,20 +226,33 @@ class SFVI(Driver):
     def pooled_params(self, params: SFVIParams, data: Any) -> dict[str, jax.Array]:
         """``params`` under the names and pooled layout of the NumPyro guide
         (``SVI(model, guide, ...)`` with ``init_params=...``, or ``Predictive``)."""
-        out = dict(params.theta)
-        out.update({GLOBAL_PREFIX + k: v for k, v in params.eta_global.items()})
-        for k, v in params.eta_local.items():
-            if k == "silo_tril":  # one factor over a whole silo: pooled only if J = 1
-                if data.num_silos != 1 or data.padded_size != data.num_units:
-                    raise ValueError(
-                        "A silo-wide local covariance (local_cov='silo') has no pooled "
-                        "layout across several silos: the family depends on the "
-                        "partition."
-                    )
-                out[LOCAL_PREFIX + k] = v[0]
-            else:
-                out[LOCAL_PREFIX + k] = data.gather_units(v)
-        return out
+        return pooled_guide_params(params, data)
+
+
+def pooled_guide_params(params: Any, data: Any) -> dict[str, jax.Array]:
+    """Constrained ``(theta, eta_global, eta_local)`` parameters (:class:`SFVIParams`
+    or :class:`~numpyro_fed.PVIParams`) under the names and pooled layout of their
+    :class:`~numpyro_fed.AutoGlobalLocalNormal` guide, as NumPyro's ``Predictive`` and
+    ``SVI`` read them.
+
+    :param params: the fitted parameters (``result.params``).
+    :param FederatedData data: the silos' data (for the pooled unit order).
+    :rtype: dict
+    """
+    out = dict(params.theta)
+    out.update({GLOBAL_PREFIX + k: v for k, v in params.eta_global.items()})
+    for k, v in params.eta_local.items():
+        if k == "silo_tril":  # one factor over a whole silo: pooled only if J = 1
+            if data.num_silos != 1 or data.padded_size != data.num_units:
+                raise ValueError(
+                    "A silo-wide local covariance (local_cov='silo') has no pooled "
+                    "layout across several silos: the family depends on the "
+                    "partition."
+                )
+            out[LOCAL_PREFIX + k] = v[0]
+        else:
+            out[LOCAL_PREFIX + k] = data.gather_units(v)
+    return out
 
 
 class SFVIAvg(SFVI):

@@ -371,3 +371,34 @@ def test_non_gaussian_prior_against_nuts():
         mean, sd = float(jnp.mean(ref[name])), float(jnp.std(ref[name]))
         assert abs(float(jnp.mean(draws[name])) - mean) < 0.2 * sd, name
         assert abs(float(jnp.std(draws[name])) / sd - 1) < 0.2, name
+
+
+def test_predictive_runs_the_fitted_q_from_pooled_params():
+    """Issue 21: NumPyro's Predictive draws from PVI's fitted q given
+    ``pvi.pooled_params``; given the PVIParams tuple itself it raises, where NumPyro's
+    substitute would find no site in a tuple and silently draw from the guide's
+    initial values."""
+    from numpyro.infer import Predictive
+
+    y = jnp.asarray(np.random.default_rng(0).normal(size=(5, 4)) + 1.0)
+    fed = nf.federate(m.normal_normal, silos="group")
+    data = nf.FederatedData.from_groups(np.array([0, 0, 1, 1, 1]), y=y)
+    pvi = nf.PVI(
+        fed, local_optim=optax.adam(0.1), schedule="sequential", local_steps=20
+    )
+    params = pvi.run(jax.random.key(0), 5, data, progress_bar=False).params
+    loc = float(params.eta_global["loc"][0])
+    scale = float(params.eta_global["scale"][0])
+    assert abs(loc) > 0.5  # moved away from the initial q, so the check can fail
+    pooled = pvi.pooled_params(params, data)
+    assert pooled["_fed_local_loc"].shape[0] == 5  # units in the pooled order
+    draws = Predictive(
+        fed, guide=pvi.guide, params=pooled, num_samples=4000, return_sites=["mu", "b"]
+    )(jax.random.key(1), y)
+    assert draws["b"].shape == (4000, 5, 1)
+    np.testing.assert_allclose(float(draws["mu"].mean()), loc, atol=4 * scale / 60)
+    np.testing.assert_allclose(float(draws["mu"].std()), scale, rtol=0.05)
+    with pytest.raises(TypeError, match="pooled_params"):
+        Predictive(fed, guide=pvi.guide, params=params, num_samples=2)(
+            jax.random.key(1), y
+        )
