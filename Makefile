@@ -42,6 +42,13 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m slow
 
+# Flower's simulation engine with nodes that crash, straggle, send NaN or malformed
+# replies and resume (one simulation, about a minute); the equivalence of every
+# algorithm on Flower with the simulator is in the default run.
+.PHONY: test-flower
+test-flower: $(STAMP)
+	$(PY) -m pytest -q -m flower tests/runtime
+
 # Every example with --quick, as a subprocess (tests/examples); the examples are one
 # test file, so its tests are spread over the two workers one by one.
 .PHONY: test-examples

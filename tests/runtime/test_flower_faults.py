@@ -14,6 +14,7 @@ import warnings
 import pytest
 
 pytest.importorskip("flwr")
+pytestmark = pytest.mark.flower
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
