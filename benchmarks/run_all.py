@@ -47,7 +47,8 @@ def _rows(name: str, result: dict) -> list[tuple[str, str, float]]:
             for mode in ("call", "scan"):
                 rows.append(
                     (
-                        f"SFVI round, GLMM, J = {r['num_silos']} ({mode})",
+                        f"SFVI round, GLMM, {r.get('guide', 'structured')}, "
+                        f"J = {r['num_silos']} ({mode})",
                         "NumPyro SVI step",
                         r[f"{mode}_ratio"],
                     )

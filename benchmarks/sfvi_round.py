@@ -8,16 +8,20 @@ A synthetic logistic GLMM (a random intercept per child, 4 visits, 4 covariates)
 ``units_per_silo`` children in each of J silos. For J in (10, 100, 1000) it times one
 simulated SFVI round (all silos vmapped, the round jitted; with the replies summed in
 one pull-back, the default, and one reply per silo) and one step of NumPyro's ``SVI``
-with the same guide on the pooled data, in the same process, and reports their
-ratios: one call at a time (dispatch included) and inside one compiled ``lax.scan``
-of ``--scan-length`` steps (pure compute). Wall-clock times are machine-dependent;
-the ratios are the result.
+on the pooled data, in the same process, and reports their ratios: one call at a time
+(dispatch included) and inside one compiled ``lax.scan`` of ``--scan-length`` steps
+(pure compute). Two guides: the default ``AutoGlobalLocalNormal`` on both sides
+(``structured``), and its mean-field form (``global_cov="diag"``, no coupling) against
+NumPyro's ``AutoNormal`` (``mean-field``). Wall-clock times are machine-dependent and,
+on a shared machine, load-dependent (the load average is recorded); the ratios are the
+result, with XLA's count of floating-point operations (load-independent) beside them.
 
 Run: ``python benchmarks/sfvi_round.py`` (writes ``benchmarks/results/sfvi_round.json``).
 """
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from _timing import interleaved_times, machine_meta  # benchmarks/ is on sys.path
@@ -27,6 +31,7 @@ import numpy as np
 import numpyro
 import numpyro.distributions as dist
 from numpyro.infer import SVI, Trace_ELBO
+from numpyro.infer.autoguide import AutoNormal
 import optax
 
 import numpyro_fed as nf
@@ -63,13 +68,31 @@ def scanned(step, length):
     return jax.jit(many)
 
 
-def bench(num_silos, units_per_silo, repeats, scan_length):
+def flops(step, state):
+    """XLA's count of floating-point operations of one compiled ``step(state)`` (a
+    conditional counts as its costlier branch)."""
+    cost = jax.jit(step).lower(state).compile().cost_analysis()
+    return float((cost[0] if isinstance(cost, list) else cost)["flops"])
+
+
+GUIDES = {
+    # name: (federated guide, centralized guide)
+    "structured": (nf.AutoGlobalLocalNormal, nf.AutoGlobalLocalNormal),
+    "mean-field": (
+        lambda m: nf.AutoGlobalLocalNormal(m, global_cov="diag", coupling=False),
+        AutoNormal,
+    ),
+}
+
+
+def bench(num_silos, units_per_silo, repeats, scan_length, guide="structured"):
     X, y = synthetic(num_silos * units_per_silo)
     groups = np.repeat(np.arange(num_silos), units_per_silo)
     data = nf.FederatedData.from_groups(groups, X=X, y=y)
     fed = nf.federate(model, silos="child")
+    federated_guide, centralized_guide = GUIDES[guide]
 
-    sfvi = nf.SFVI(fed, nf.AutoGlobalLocalNormal(fed), optax.adam(1e-2))
+    sfvi = nf.SFVI(fed, federated_guide(fed), optax.adam(1e-2))
     state = sfvi.init(jax.random.key(0), data)
     # The round as the runtime runs it, once with the silos' replies summed in one
     # pull-back (the default) and once one reply per silo, with fixed keys.
@@ -89,7 +112,7 @@ def bench(num_silos, units_per_silo, repeats, scan_length):
         return step
 
     pooled = data.pooled()
-    svi = SVI(fed, nf.AutoGlobalLocalNormal(fed), optax.adam(1e-2), Trace_ELBO())
+    svi = SVI(fed, centralized_guide(fed), optax.adam(1e-2), Trace_ELBO())
     svi_state = svi.init(jax.random.key(0), **pooled)
     svi_step = lambda s: svi.update(s, **pooled)  # noqa: E731
     steps = [round_of(summed), round_of(per_silo), svi_step]
@@ -101,7 +124,12 @@ def bench(num_silos, units_per_silo, repeats, scan_length):
         max(repeats // scan_length, 5),
     )
     many = [t / scan_length for t in many]
-    row = {"num_silos": num_silos, "units": num_silos * units_per_silo}
+    load = os.getloadavg()[0]
+    row = {"guide": guide, "num_silos": num_silos, "units": num_silos * units_per_silo}
+    f_sum, f_each, f_svi = (flops(f, s) for f, s in zip(steps, states, strict=True))
+    row["flops_ratio"] = f_sum / f_svi
+    row["per_silo_flops_ratio"] = f_each / f_svi
+    row["load_average"] = load
     for mode, (t_sum, t_each, t_svi) in (("call", one), ("scan", many)):
         row[f"{mode}_svi_step_ms"] = 1e3 * t_svi
         row[f"{mode}_sfvi_round_ms"] = 1e3 * t_sum
@@ -112,20 +140,23 @@ def bench(num_silos, units_per_silo, repeats, scan_length):
 
 def main(args):
     rows = [
-        bench(j, args.units_per_silo, args.repeats, args.scan_length)
+        bench(j, args.units_per_silo, args.repeats, args.scan_length, guide)
+        for guide in args.guides
         for j in args.num_silos
     ]
     print("SFVI round / NumPyro SVI step; 'summed': the default simulated round")
-    print("(replies summed in one pull-back), 'per silo': one reply per silo")
+    print("(replies summed in one pull-back), 'per silo': one reply per silo;")
+    print("'flops': XLA's count, summed round / SVI step; 'load': 1-minute average")
     print(
-        f"{'J':>6} {'units':>7} {'SVI step ms':>12} {'summed':>7} {'per silo':>9} "
-        f"{'scan: summed':>13} {'per silo':>9}"
+        f"{'guide':>10} {'J':>6} {'SVI step ms':>12} {'summed':>7} {'per silo':>9} "
+        f"{'scan: summed':>13} {'per silo':>9} {'flops':>6} {'load':>5}"
     )
     for r in rows:
         print(
-            f"{r['num_silos']:>6} {r['units']:>7} {r['call_svi_step_ms']:>12.3f} "
+            f"{r['guide']:>10} {r['num_silos']:>6} {r['call_svi_step_ms']:>12.3f} "
             f"{r['call_ratio']:>7.2f} {r['call_per_silo_ratio']:>9.2f} "
-            f"{r['scan_ratio']:>13.2f} {r['scan_per_silo_ratio']:>9.2f}"
+            f"{r['scan_ratio']:>13.2f} {r['scan_per_silo_ratio']:>9.2f} "
+            f"{r['flops_ratio']:>6.2f} {r['load_average']:>5.1f}"
         )
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -140,6 +171,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="SFVI round vs NumPyro SVI step")
     parser.add_argument("--num-silos", type=int, nargs="+", default=[10, 100, 1000])
     parser.add_argument("--units-per-silo", type=int, default=5)
+    parser.add_argument(
+        "--guides", nargs="+", choices=sorted(GUIDES), default=sorted(GUIDES)
+    )
     parser.add_argument("--repeats", type=int, default=200)
     parser.add_argument("--scan-length", type=int, default=20)
     parser.add_argument("--out", default="benchmarks/results/sfvi_round.json")

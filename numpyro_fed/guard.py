@@ -42,6 +42,7 @@ from numpyro_fed.protocol import (
     Message,
     SiloData,
     SummedReplies,
+    reply_sum,
 )
 from numpyro_fed.util import all_finite, rows_where, tree_where
 
@@ -50,6 +51,7 @@ __all__ = [
     "check_rejections",
     "finite_rows",
     "guard_nonfinite",
+    "guarded_sum",
     "rejection_counts",
 ]
 
@@ -119,7 +121,7 @@ def guard_nonfinite(
         new_state = tree_where(keep, state, new_state)
         return new_state, info._replace(rejected=info.rejected | rejected)
 
-    # reduce_silos keeps the silo rule itself (finite_rows): a sum cannot be taken
+    # reduce_silos keeps the silo rule itself (guarded_sum): a sum cannot be taken
     # apart afterwards.
     return algorithm._replace(silo_step=silo_step, server_step=server_step)
 
@@ -140,6 +142,51 @@ def finite_rows(
     finite = jax.vmap(all_finite)((replies, new_states))
     used = contacted & finite
     return used, rows_where(used, new_states, states)
+
+
+def guarded_sum(
+    contacted: jax.Array, summands: Any, new_states: Any, states: Any
+) -> tuple[jax.Array, Any, Any]:
+    """The guard's silo rule and the sum of the replies inside a ``reduce_silos``:
+    ``(used, total, states)``, as :func:`finite_rows` gives ``used`` and the states
+    and :func:`~numpyro_fed.protocol.reply_sum` the total over ``used``, bit for bit.
+
+    A sum that holds a NaN or an infinity is not finite. So when the contacted
+    silos' summed replies and the sum of every silo's new state are finite, every
+    contacted silo passes the rule and the per-silo checks are skipped (on CPU, by a
+    branch; accelerators, where a branch waits for the device, always run them).
+    Otherwise (a silo that is not finite, or finite values whose sum overflows) the
+    rule runs silo by silo and the sum is taken again over the silos that pass.
+
+    :param jax.Array contacted: ``(J,)`` booleans.
+    :param summands: the per-silo quantities summed into the reply (leading silo
+        axis).
+    :param new_states: the silos' stepped states (leading silo axis).
+    :param states: their states before the step.
+    """
+    total = reply_sum(summands, contacted)
+
+    def per_silo(total: Any) -> tuple[jax.Array, Any]:
+        del total
+        used, _ = finite_rows(contacted, summands, new_states, states)
+        return used, reply_sum(summands, used)
+
+    def all_contacted(total: Any) -> tuple[jax.Array, Any]:
+        return contacted, total
+
+    def branch(total: Any) -> tuple[jax.Array, Any]:
+        # One reduction per leaf decides; the branches return only (J,) booleans
+        # and the small total, so the selection below still fuses with the step.
+        sums = [
+            jnp.sum(x)
+            for x in jax.tree.leaves(new_states)
+            if jnp.issubdtype(x.dtype, jnp.inexact)
+        ]
+        finite = all_finite((total, sums))
+        return jax.lax.cond(finite, all_contacted, per_silo, total)
+
+    used, total = jax.lax.platform_dependent(total, cpu=branch, default=per_silo)
+    return used, total, rows_where(used, new_states, states)
 
 
 def _nan_like(tree: Any) -> Any:

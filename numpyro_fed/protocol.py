@@ -192,7 +192,7 @@ class ReduceSilosFn(Protocol):
         :return: ``(SummedReplies(total, used), states)``: the same sum and states
             as :func:`jax.vmap` of ``silo_step`` would give (to rounding), with the
             non-finite guard's silo rule applied inside
-            (:func:`~numpyro_fed.guard.finite_rows`): a silo whose reply or new
+            (:func:`~numpyro_fed.guard.guarded_sum`): a silo whose reply or new
             state is not finite is left out of ``used`` and keeps its state.
         """
 

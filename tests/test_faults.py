@@ -13,7 +13,8 @@ import optax
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed.guard import SiloFailure, check_rejections
+from numpyro_fed.guard import SiloFailure, check_rejections, finite_rows, guarded_sum
+from numpyro_fed.protocol import reply_sum
 from tests import _models as m
 from tests.vertical import _fixtures as fx
 
@@ -205,3 +206,54 @@ def test_fsgld_without_surrogates_is_not_silently_dsgld():
     fed = nf.federate(m.normal_normal, silos="group")
     with pytest.raises(TypeError, match="use nf.DSGLD"):
         nf.FSGLD(fed, 1e-3, None)
+
+
+def _stacked(rng, num_silos):
+    """Replies and states with a leading silo axis, and an integer leaf (as an
+    optimizer's step count) that the guard must not read."""
+    replies = (
+        jnp.asarray(rng.normal(size=num_silos)),
+        {"g": jnp.asarray(rng.normal(size=(num_silos, 3, 2)))},
+    )
+    states = {
+        "loc": jnp.asarray(rng.normal(size=(num_silos, 4))),
+        "count": jnp.arange(num_silos),
+    }
+    return replies, states
+
+
+@pytest.mark.parametrize(
+    "fault",
+    ["none", "reply", "state", "uncontacted", "overflow"],
+)
+def test_guarded_sum_is_the_per_silo_rule_bit_for_bit(fault):
+    """The round's sum skips the per-silo checks only when that cannot change
+    anything: with every silo finite, one NaN reply or state, a NaN in a silo that
+    was not contacted, and finite replies whose sum overflows, it gives exactly
+    (same bits) the per-silo rule's ``used``, states and sum over ``used``."""
+    rng = np.random.default_rng(0)
+    replies, stepped = _stacked(rng, 5)
+    _, states = _stacked(rng, 5)
+    contacted = jnp.array([True, True, True, False, True])
+    if fault == "overflow":
+        g = replies[1]["g"]
+        replies[1]["g"] = jnp.full_like(g, jnp.finfo(g.dtype).max / 2)
+    elif fault == "reply":
+        replies[1]["g"] = replies[1]["g"].at[2, 1, 0].set(jnp.nan)
+    elif fault == "state":
+        stepped["loc"] = stepped["loc"].at[4, 3].set(-jnp.inf)
+    elif fault == "uncontacted":
+        stepped["loc"] = stepped["loc"].at[3, 0].set(jnp.nan)
+    used, total, kept = jax.jit(guarded_sum)(contacted, replies, stepped, states)
+    expected_used, expected_kept = finite_rows(contacted, replies, stepped, states)
+    expected = (expected_used, reply_sum(replies, expected_used), expected_kept)
+    for got, want in zip(
+        jax.tree.leaves((used, total, kept)), jax.tree.leaves(expected), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    dropped = {"none": [], "reply": [2], "state": [4], "uncontacted": []}
+    if fault in dropped:
+        left_out = np.flatnonzero(np.asarray(contacted & ~used)).tolist()
+        assert left_out == dropped[fault]
+    else:
+        assert not np.isfinite(np.asarray(total[1]["g"])).all()

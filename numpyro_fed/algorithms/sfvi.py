@@ -25,7 +25,7 @@ from numpyro_fed.elbo import (
     server_terms,
     silo_terms,
 )
-from numpyro_fed.guard import finite_rows, guard_nonfinite
+from numpyro_fed.guard import guard_nonfinite, guarded_sum
 from numpyro_fed.protocol import (
     FederatedAlgorithm,
     Message,
@@ -205,8 +205,8 @@ def sfvi(
         # Each silo's gradient stops at the shared values (a few numbers per
         # silo); the pull-back through the global draw and its transforms to
         # (theta, eta_G) then runs once, on the sum. A silo whose gradient or new
-        # state is not finite is left out of the sum before it is taken (no
-        # branch to recompute it: a branch costs a device sync on accelerators).
+        # state is not finite is left out of the sum (guarded_sum: the per-silo
+        # checks run only when a sum is not finite).
         sent: SFVIServerMessage = message.broadcast
         shared, pull_back = jax.vjp(
             lambda t, e: shared_values(t, e, global_noise(sent)),
@@ -218,9 +218,10 @@ def sfvi(
         )
         elbos, (g_shared, g_eta_l) = each(shared, states.eta_local, keys, data)
         stepped = jax.vmap(local_ascent, axis_size=contacted.shape[0])(g_eta_l, states)
-        used, new_states = finite_rows(contacted, (elbos, g_shared), stepped, states)
-        g_theta, g_eta_g = pull_back(reply_sum(g_shared, used))
-        elbo = jnp.sum(jnp.where(used, elbos, 0.0))
+        used, (elbo, g_total), new_states = guarded_sum(
+            contacted, (elbos, g_shared), stepped, states
+        )
+        g_theta, g_eta_g = pull_back(g_total)
         return SummedReplies(reply_of(g_theta, g_eta_g, elbo), used), new_states
 
     def server_value(theta_u, eta_g_u, eps):
