@@ -383,6 +383,19 @@ def silo_estimator(pot: FederatedPotential, cfg: SGLDConfig, silo: Any) -> Estim
     return estimator
 
 
+def _langevin_move(z_local, grads, h, keys, real):
+    """One Langevin move of each local site (sorted by name, one key each) by
+    ``grads`` at step size ``h``."""
+    new = {}
+    for k, name in zip(keys, sorted(z_local), strict=False):
+        v = z_local[name]
+        noise = jax.random.normal(k, v.shape, v.dtype)
+        move = 0.5 * h * grads[name] + jnp.sqrt(h) * noise
+        # Padded units and padded nested entries carry no density: they stay put.
+        new[name] = v + jnp.where(real[name], move, 0.0)
+    return new
+
+
 def _local_move(pot, theta, z_local, data, h_local, key):
     """One MALA move of a silo's local sites at the fixed global position
     ``theta``, on their conditional given the globals: the Metropolis step keeps
@@ -395,13 +408,7 @@ def _local_move(pot, theta, z_local, data, h_local, key):
     lp_old, g_old = jax.value_and_grad(log_target)(z_local)
     real = pot.real_local(z_local, data.mask, data.nested)
     keys = jax.random.split(key, len(z_local) + 1)
-    new = {}
-    for k, name in zip(keys, sorted(z_local), strict=False):
-        v = z_local[name]
-        noise = jax.random.normal(k, v.shape, v.dtype)
-        move = 0.5 * h_local * g_old[name] + jnp.sqrt(h_local) * noise
-        # Padded units and padded nested entries carry no density: they stay put.
-        new[name] = v + jnp.where(real[name], move, 0.0)
+    new = _langevin_move(z_local, g_old, h_local, keys, real)
     lp_new, g_new = jax.value_and_grad(log_target)(new)
 
     def log_q(to, frm, g):  # the proposal's log density frm -> to, up to a constant
@@ -451,16 +458,9 @@ def _langevin_step(pot, cfg, estimator, position, data, t, key, silo):
         psi = psi / cfg.local_steps
     else:
         psi, g_local = estimator(position, batch)
-        new_local = {}
         real = pot.real_local(z_local, mask, data.nested)
         local_keys = jax.random.split(k_local, max(len(z_local), 1))
-        for k, name in zip(local_keys, sorted(z_local), strict=False):
-            v = z_local[name]
-            noise = jax.random.normal(k, v.shape, v.dtype)
-            move = 0.5 * h * g_local[name] + jnp.sqrt(h) * noise
-            # Padded units and padded nested entries carry no density: they stay put.
-            new_local[name] = v + jnp.where(real[name], move, 0.0)
-        z_local = new_local
+        z_local = _langevin_move(z_local, g_local, h, local_keys, real)
     noise = jax.random.normal(k_global, theta.shape, theta.dtype)
     theta = theta + 0.5 * h * psi + jnp.sqrt(h) * noise
     return theta, z_local
