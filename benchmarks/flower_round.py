@@ -275,6 +275,10 @@ def main(args):
             "loopback, long-lived",
             dict(cache=True, worker=True, fast_poll=True),
         ),
+        "in-process": (
+            "loopback, in-process",
+            dict(cache=True, worker=False, fast_poll=True, in_process=True),
+        ),
     }
     for key in [c for c in chosen if c != "engine"]:
         name, options = variants[key]

@@ -109,9 +109,14 @@ class Deployment:
         cache: bool = True,
         worker: bool = True,
         fast_poll: bool = True,
+        in_process: bool = False,
     ):
+        if in_process and not fast_poll:
+            raise ValueError("in_process runs the ClientApp in fast_supernode.py.")
         self.workdir, self.silo_files = workdir, silo_files
-        self.worker, self.fast_poll = worker, fast_poll
+        # a ClientApp in the SuperNode's process needs no worker next to it
+        self.worker, self.fast_poll = worker and not in_process, fast_poll
+        self.in_process = in_process
         self.logs = workdir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.home = workdir / "flwr-home"
@@ -119,7 +124,7 @@ class Deployment:
         self.env = environment(self.home, workdir / "jax-cache" if cache else None)
         if fast_poll:  # the ServerApp retries objects not yet pushed quickly too
             self.env["NUMPYRO_FED_QUICK_PULLS"] = "1"
-        if not worker:
+        if not worker and not in_process:
             # A SuperNode's SuperExec asks it for a ClientApp task every second by
             # default. (The SuperLink's asks for the ServerApp's, once a run: at
             # 0.1 s its idle requests would cost the SuperLink CPU every round.)
@@ -181,7 +186,13 @@ class Deployment:
                         f'silo={j} data="{path}"',
                     ]
                     # a long-lived ClientApp process instead of one per message
-                    + (["--isolation", "process"] if self.worker else []),
+                    + (["--isolation", "process"] if self.worker else [])
+                    # or the ClientApp in the SuperNode's own process
+                    + (
+                        ["--isolation", "process", "--in-process"]
+                        if self.in_process
+                        else []
+                    ),
                 )
                 wait_for_port(node_port, node)
                 self.nodes[j] = [node]
