@@ -27,7 +27,6 @@ state methods that are not public API; :func:`install` refuses any Flower but 1.
 
 import threading
 
-import flwr
 from flwr.app import Error, Message
 from flwr.cli.install import install_from_fab
 from flwr.clientapp.utils import get_load_client_app_fn
@@ -36,6 +35,7 @@ from flwr.supercore.constant import TaskType
 from flwr.supercore.inflatable.inflatable_object import iterate_object_tree
 from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
 from flwr.supernode import start_client_internal
+import quick_pulls
 
 #: Seconds between the running task's heartbeats (Flower expires a task whose
 #: heartbeat is 60 s late; the first message of a run compiles for longer than that
@@ -47,15 +47,23 @@ _APPS: dict = {}
 
 def install() -> None:
     """Make this process's SuperNode run each ClientApp task itself."""
-    if not flwr.__version__.startswith("1.42."):
-        raise RuntimeError(
-            f"inprocess.py patches Flower 1.42's SuperNode loop; this is Flower "
-            f"{flwr.__version__}."
-        )
+    quick_pulls.require_flower_142("inprocess.py")
     pull = start_client_internal._pull_and_store_message
+    confirming: list[threading.Thread] = []
 
     def pull_and_run(**kwargs):
-        run_id = pull(**kwargs)
+        confirm = kwargs["confirm_message_received"]
+
+        def confirm_aside(run_id, message_id):
+            # The receipt only lets the SuperLink drop the message's objects: it
+            # need not hold up the ClientApp and the reply's push.
+            thread = threading.Thread(target=confirm, args=(run_id, message_id))
+            thread.start()
+            confirming.append(thread)
+
+        while confirming:  # the last message's receipt is in before the next pull
+            confirming.pop().join()
+        run_id = pull(**{**kwargs, "confirm_message_received": confirm_aside})
         if run_id is not None:
             run_task(kwargs["state"], kwargs["object_store"], run_id)
         return run_id
