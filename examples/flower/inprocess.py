@@ -96,10 +96,12 @@ def run_task(state, store, run_id: int) -> None:
 
     threading.Thread(target=heartbeat, daemon=True).start()
     try:
+        # the message first: from here on, a failure is replied as an error (the
+        # node's loop waits for a reply to every message it pulled)
+        message = _take_message(state, store, run_id)
         run = state.get_run(run_id)
         context = state.get_run_series_context(run.series_id)
         fab = state.get_fab(run.fab_hash)
-        message = _take_message(state, store, run_id)
         if fab.hash_str not in _APPS:  # install and import the app once
             install_from_fab(fab.content, skip_prompt=True)
             load = get_load_client_app_fn(
