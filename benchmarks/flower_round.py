@@ -14,9 +14,10 @@ the same run of this script, by
 - (c) a real deployment on loopback: a ``flower-superlink`` and 3
   ``flower-supernode`` processes, submitted with ``flwr run``, three ways: Flower's
   defaults (a new ClientApp process per message, 3 s between a node's polls), the
-  same with a persistent JAX compilation cache on the nodes, and long-lived
-  ClientApp processes (``examples/flower/clientapp_worker.py``) with 0.1 s polls
-  (``examples/flower/fast_supernode.py``).
+  same with a persistent JAX compilation cache on the nodes, long-lived ClientApp
+  processes (``examples/flower/clientapp_worker.py``) with 0.1 s polls
+  (``examples/flower/fast_supernode.py``), and the ClientApp in the SuperNode's own
+  process (``fast_supernode.py --in-process``; its CPU counts as the SuperNode's).
 
 Reported: the median time per round after the first ``--warmup`` rounds, its ratio
 to (a) and the overhead over (a). For (c), also the CPU seconds per timed round of
@@ -265,15 +266,19 @@ def main(args):
     variants = {
         "defaults": (
             "loopback, Flower defaults",
-            dict(cache=False, worker=False, fast_poll=False),
+            dict(cache=False, clientapp="per-message", fast_poll=False),
         ),
         "cache": (
             "loopback, compile cache",
-            dict(cache=True, worker=False, fast_poll=False),
+            dict(cache=True, clientapp="per-message", fast_poll=False),
         ),
         "long-lived": (
             "loopback, long-lived",
-            dict(cache=True, worker=True, fast_poll=True),
+            dict(cache=True, clientapp="worker", fast_poll=True),
+        ),
+        "in-process": (
+            "loopback, in-process",
+            dict(cache=True, clientapp="in-process", fast_poll=True),
         ),
     }
     for key in [c for c in chosen if c != "engine"]:
@@ -335,9 +340,9 @@ if __name__ == "__main__":
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument(
         "--variants",
-        default="engine,defaults,cache,long-lived",
+        default="engine,defaults,cache,long-lived,in-process",
         help="what to run beside simulate, comma-separated: engine (the simulation "
-        "engine) and the loopback variants defaults, cache, long-lived",
+        "engine) and the loopback variants defaults, cache, long-lived, in-process",
     )
     parser.add_argument(
         "--trace",

@@ -5,12 +5,12 @@ The steps of a loopback round, from a trace of every request
 ============================================================
 
 Reads the JSON lines that ``sitecustomize.py`` in this directory writes (run
-``benchmarks/flower_round.py --variants long-lived --trace DIR``) and prints, for
-each step of one silo's exchange (the ServerApp's push, the SuperNode's pickup and
-pulls, the ClientApp worker's pull, step and push, the node's push, the ServerApp's
-pulls and step), its median and maximum over the rounds and silos. The first two
-pushes of the ServerApp (its query of the nodes and round 0, which compiles) are
-left out.
+``benchmarks/flower_round.py --variants in-process --trace DIR``, or
+``long-lived``) and prints, for each step of one silo's exchange (the ServerApp's
+push, the SuperNode's pickup and pulls, the ClientApp worker's pull, step and push
+or the node's own ClientApp, the node's push, the ServerApp's pulls and step), its
+median and maximum over the rounds and silos. The first two pushes of the
+ServerApp (its query of the nodes and round 0, which compiles) are left out.
 
 Run: ``python benchmarks/flower_trace/phases.py DIR``.
 """
@@ -25,6 +25,7 @@ STEPS = (
     "the SuperNode's poll finds its message",
     "the SuperNode pulls the message's objects",
     "its ClientApp worker has the message",
+    "the node's own ClientApp (in-process), to its push",
     "the silo step (decode, step, encode)",
     "the worker pushes the reply to its SuperNode",
     "the SuperNode sees the reply (registered)",
@@ -83,9 +84,19 @@ def steps(events, node_of):
             ends = [e["t1"] for e in first(window, node, "PushObject")]
             end = max(ends + [pushed[0]["t1"]])
             last_push = max(last_push, end)
+            # the message's objects are in once the node's last pull of them
+            # returns (an in-process node confirms aside, during its push)
+            objects = [
+                e["t1"]
+                for e in first(window, node, "PullObject")
+                if e["t1"] <= pushed[0]["t0"]
+            ]
+            got = max(objects or [confirmed[0]["t1"]])
             out[STEPS[1]].append(pulled[0]["t0"] - start)
-            out[STEPS[2]].append(confirmed[0]["t1"] - pulled[0]["t0"])
-            out[STEPS[7]].append(end - pushed[0]["t0"])
+            out[STEPS[2]].append(got - pulled[0]["t0"])
+            out[STEPS[8]].append(end - pushed[0]["t0"])
+            if not [w for w in workers if node_of.get(w) == node]:
+                out[STEPS[4]].append(pushed[0]["t0"] - got)
             for worker in [w for w in workers if node_of.get(w) == node]:
                 got = first(window, worker, "ConfirmMessageReceived")
                 sent = first(window, worker, "PushMessages")
@@ -93,17 +104,17 @@ def steps(events, node_of):
                     objects = [e["t1"] for e in first(window, worker, "PushObject")]
                     done = max(objects + [sent[0]["t1"]])
                     out[STEPS[3]].append(got[0]["t1"] - confirmed[0]["t1"])
-                    out[STEPS[4]].append(sent[0]["t0"] - got[0]["t1"])
-                    out[STEPS[5]].append(done - sent[0]["t0"])
+                    out[STEPS[5]].append(sent[0]["t0"] - got[0]["t1"])
+                    out[STEPS[6]].append(done - sent[0]["t0"])
                     # the node pushes a reply it has registered while its objects
                     # still come in
-                    out[STEPS[6]].append(pushed[0]["t0"] - sent[0]["t1"])
+                    out[STEPS[7]].append(pushed[0]["t0"] - sent[0]["t1"])
         replies = [e for e in window if e in server]
         replies = [e for e in replies if e["name"] == "ConfirmMessageReceived"]
         if replies:
-            out[STEPS[8]].append(replies[-1]["t1"] - last_push)
-            out[STEPS[9]].append(after["t0"] - replies[-1]["t1"])
-        out[STEPS[10]].append(after["t0"] - start)
+            out[STEPS[9]].append(replies[-1]["t1"] - last_push)
+            out[STEPS[10]].append(after["t0"] - replies[-1]["t1"])
+        out[STEPS[11]].append(after["t0"] - start)
     return out
 
 

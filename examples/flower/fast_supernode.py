@@ -14,8 +14,12 @@ the cost of more requests to the SuperLink while idle, its waits for the
 ClientApp's reply at 0.01 s (a look at its own memory), and its retries of objects
 not yet pushed after milliseconds (``quick_pulls.py``).
 
+With ``--in-process`` (and ``--isolation process``) it also runs the ClientApp in
+its own process (``inprocess.py``): no ClientApp process, no request between the
+node and its ClientApp.
+
 It patches a module of Flower that is not public API (``numpyro-fed[flower]`` pins
-``flwr<1.43``); the arguments are ``flower-supernode``'s::
+``flwr<1.43``); the other arguments are ``flower-supernode``'s::
 
     python fast_supernode.py --insecure --superlink 127.0.0.1:9092 ...
 """
@@ -26,6 +30,7 @@ import time
 
 from flwr.supernode import start_client_internal
 from flwr.supernode.cli import flower_supernode
+import inprocess
 import quick_pulls
 
 POLL = float(os.environ.get("FLWR_NODE_POLL_INTERVAL", "0.1"))
@@ -49,5 +54,8 @@ class _Time:
 if __name__ == "__main__":
     start_client_internal.time = _Time()
     quick_pulls.install()  # the node pulls the server's messages
+    if "--in-process" in sys.argv:
+        sys.argv.remove("--in-process")
+        inprocess.install()
     sys.argv[0] = "flower-supernode"
     sys.exit(flower_supernode())

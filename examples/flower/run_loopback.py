@@ -99,19 +99,40 @@ def environment(home: Path, cache: Path | None) -> dict:
     return env
 
 
+#: Where a node's ClientApp runs: in the SuperNode's own process (``inprocess.py``),
+#: in one long-lived process beside it (``clientapp_worker.py``), or, as Flower
+#: ships, in a new process per message.
+CLIENTAPPS = ("in-process", "worker", "per-message")
+
+
 class Deployment:
-    """A SuperLink and one SuperNode per silo on 127.0.0.1, stopped on exit."""
+    """A SuperLink and one SuperNode per silo on 127.0.0.1, stopped on exit.
+
+    :param workdir: logs, ``FLWR_HOME`` and the nodes' compilation cache go here.
+    :param silo_files: one data file per silo, each named to its node only.
+    :param cache: a persistent JAX compilation cache on the nodes.
+    :param clientapp: one of :data:`CLIENTAPPS`.
+    :param fast_poll: ``fast_supernode.py`` and ``quick_pulls.py`` (else Flower's
+        SuperNode and pulls as shipped; ``"in-process"`` needs them).
+    """
 
     def __init__(
         self,
         workdir: Path,
         silo_files: list,
         cache: bool = True,
-        worker: bool = True,
+        clientapp: str = "in-process",
         fast_poll: bool = True,
     ):
+        if clientapp not in CLIENTAPPS:
+            raise ValueError(
+                f"clientapp must be one of {CLIENTAPPS}, not {clientapp!r}."
+            )
+        if clientapp == "in-process" and not fast_poll:
+            raise ValueError("an in-process ClientApp runs in fast_supernode.py.")
         self.workdir, self.silo_files = workdir, silo_files
-        self.worker, self.fast_poll = worker, fast_poll
+        self.clientapp, self.fast_poll = clientapp, fast_poll
+        self.worker = clientapp == "worker"
         self.logs = workdir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.home = workdir / "flwr-home"
@@ -119,7 +140,7 @@ class Deployment:
         self.env = environment(self.home, workdir / "jax-cache" if cache else None)
         if fast_poll:  # the ServerApp retries objects not yet pushed quickly too
             self.env["NUMPYRO_FED_QUICK_PULLS"] = "1"
-        if not worker:
+        if clientapp == "per-message":
             # A SuperNode's SuperExec asks it for a ClientApp task every second by
             # default. (The SuperLink's asks for the ServerApp's, once a run: at
             # 0.1 s its idle requests would cost the SuperLink CPU every round.)
@@ -180,8 +201,13 @@ class Deployment:
                         "--node-config",
                         f'silo={j} data="{path}"',
                     ]
-                    # a long-lived ClientApp process instead of one per message
-                    + (["--isolation", "process"] if self.worker else []),
+                    # no SuperExec: the ClientApp runs in the node or a worker
+                    + (["--isolation", "process"] if self.worker else [])
+                    + (
+                        ["--isolation", "process", "--in-process"]
+                        if self.clientapp == "in-process"
+                        else []
+                    ),
                 )
                 wait_for_port(node_port, node)
                 self.nodes[j] = [node]
@@ -352,7 +378,7 @@ def main(args):
         workdir,
         files,
         cache=not args.no_cache,
-        worker=not args.per_message,
+        clientapp=args.clientapp,
         fast_poll=not args.slow_poll,
     )
     try:
@@ -419,9 +445,12 @@ def parse_args(argv=None):
         help="no persistent JAX compilation cache on the nodes",
     )
     parser.add_argument(
-        "--per-message",
-        action="store_true",
-        help="Flower's default: a new ClientApp process for every message",
+        "--clientapp",
+        choices=CLIENTAPPS,
+        default="in-process",
+        help="where a node runs its ClientApp: in the SuperNode's process, in one "
+        "long-lived process beside it, or in a new process per message (Flower's "
+        "default)",
     )
     parser.add_argument(
         "--slow-poll",

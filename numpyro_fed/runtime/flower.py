@@ -80,6 +80,9 @@ DEFAULT = "fit"
 #: Seconds between the server's polls for replies (``Grid.send_and_receive`` of a
 #: deployed Flower 1.42 grid sleeps 3 s between polls, longer than a round takes).
 POLL_INTERVAL = 0.02
+#: Seconds between the server's looks for nodes that joined or left the grid, when
+#: every silo has a node and replied in the last round (else it looks each round).
+NODE_CHECK_INTERVAL = 1.0
 
 
 def to_record(flat: dict) -> ConfigRecord | ArrayRecord:
@@ -226,8 +229,14 @@ def serve(
     infos: list = []
     contacted: list = []
     missing: list[dict] = []
+    checked = time.monotonic()
     for t in range(start, num_rounds):
-        nodes = _find_silos(grid, name, num_silos, 0.0, nodes)
+        # Asking the grid for its nodes is a request on every round's path; a node
+        # that left or failed shows as a missing reply, and a new one can wait.
+        lost = bool(missing and missing[-1]) or len(nodes) < num_silos
+        if lost or time.monotonic() - checked >= NODE_CHECK_INTERVAL:
+            nodes = _find_silos(grid, name, num_silos, 0.0, nodes)
+            checked = time.monotonic()
         available = np.zeros(num_silos, bool)
         available[list(nodes)] = True
         config = {"name": name, "round": t, "start": start, "every": every or 0}
@@ -353,12 +362,18 @@ def _exchange(
     round_index = config["round"]
     silo_of = {node: j for j, node in nodes.items()}
     record = ConfigRecord(config)
+
+    def content(message: dict) -> RecordDict:
+        packed = to_record(message)
+        if isinstance(packed, ArrayRecord):
+            return RecordDict({CONTENT: packed, CONFIG: record})
+        # The round's config rides in the packed record: each object of a message
+        # is a request on each of its hops.
+        packed.update(config)
+        return RecordDict({CONTENT: packed})
+
     messages = [
-        Message(
-            RecordDict({CONTENT: to_record(message), CONFIG: record}),
-            dst_node_id=nodes[j],
-            message_type="train",
-        )
+        Message(content(message), dst_node_id=nodes[j], message_type="train")
         for j, message in flat.items()
     ]
     replies = {}
@@ -368,13 +383,8 @@ def _exchange(
         if j is None:
             continue
         if reply.has_error():
-            logger.warning(
-                "round %d: silo %d (node %s) failed: %s",
-                round_index,
-                j,
-                node,
-                reply.error.reason,
-            )
+            failed = (round_index, j, node, reply.error.reason)
+            logger.warning("round %d: silo %d (node %s) failed: %s", *failed)
             continue
         replies[j] = from_record(reply.content[CONTENT])
     missing = sorted(set(flat) - set(replies))
@@ -487,7 +497,9 @@ def client_app(
 
     @app.train()
     def train(message: Message, context: Context) -> Message:
-        received = _record(message.content, CONFIG, ConfigRecord)
+        # the config's own record, or the packed content (see _exchange)
+        config_key = CONFIG if CONFIG in message.content else CONTENT
+        received = _record(message.content, config_key, ConfigRecord)
         name = str(received["name"])
         _, silo = silo_of(context, name)
         config = {k: _int(received, k) for k in ("round", "start", "every")}

@@ -81,8 +81,8 @@ def _faulty_client():
     @app.train()
     def train(message, context):
         j = int(context.node_config["partition-id"])
-        name = str(message.content["config"]["name"])
-        t = int(message.content["config"]["round"])
+        config = message.content["content"]  # a small message packs its config
+        name, t = str(config["name"]), int(config["round"])
         if name == "crash" and j == 1 and t in (1, 2):
             raise RuntimeError("node lost")
         if name == "straggler" and j == 2 and t == 1:
