@@ -129,3 +129,34 @@ def test_a_diverging_chain_warns_naming_chain_step_silo_and_step_size():
         assert np.isfinite(draws[chain, step - 1]) and not np.isfinite(
             draws[chain, step]
         )
+
+
+def glmm(X, y=None):
+    """The six-cities GLMM (centred intercepts, scale exp(-omega))."""
+    beta = numpyro.sample("beta", dist.Normal(0, 10).expand([X.shape[-1]]).to_event(1))
+    omega = numpyro.sample("omega", dist.Normal(0, 10))
+    with nf.silo_plate("child", X.shape[0], dim=-2):
+        b = numpyro.sample("b", dist.Normal(0, jnp.exp(-omega)))
+        with numpyro.plate("visit", X.shape[1], dim=-1):
+            numpyro.sample("y", dist.Bernoulli(logits=X @ beta + b), obs=y)
+
+
+def test_a_fit_running_down_a_funnel_is_refused_not_warned():
+    """Binary outcomes and centred intercepts: with a prior share the fit runs omega
+    up without bound (the intercepts' scale exp(-omega) to 0) and its gradient grows
+    with it, so neither the mode comparison nor an overflow stops it; before, it
+    only warned "stopped before a mode" (six cities: omega 1233, precisions 1e88,
+    and FSGLD NaN from its first step). Now refused, naming the silo and site."""
+    jax.config.update("jax_enable_x64", True)
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(40, 4, 2))
+    X[..., 0] = 1.0
+    logits = X @ np.array([-1.0, 0.5]) + rng.normal(size=(40, 1))
+    y = (rng.uniform(size=logits.shape) < 1 / (1 + np.exp(-logits))).astype(float)
+    data = nf.FederatedData.from_groups(np.repeat([0, 1], 20), X=X, y=y)
+    with pytest.raises(ValueError) as error:
+        nf.fit_surrogates(glmm, data, prior_power=0.5, progress_bar=False)
+    message = str(error.value)
+    assert message.startswith("Silo 0: the Laplace fit")
+    assert re.search(r"ran 'omega' from \S+ to \S+ \(unconstrained\)", message)
+    assert "relative gradient is still" in message and "a funnel" in message
