@@ -70,13 +70,23 @@ def _warned(kernel, data):
 
 
 def test_lagging_locals_warn_only_with_several_silos():
-    many = _warned(nf.DSGLD(hierarchy, 1e-3), split(NUM_UNITS))
+    lagging = nf.DSGLD(hierarchy, 1e-3, local_steps=0)
+    many = _warned(lagging, split(NUM_UNITS))
     assert len(many) == 1 and "(z)" in str(many[0].message)
     assert "40 silos" in str(many[0].message)
-    assert len(_warned(nf.DSGLD(hierarchy, 1e-3), split(5))) == 1
-    assert not _warned(nf.DSGLD(hierarchy, 1e-3), split(1))
+    assert len(_warned(nf.DSGLD(hierarchy, 1e-3, local_steps=0), split(5))) == 1
+    assert not _warned(nf.DSGLD(hierarchy, 1e-3, local_steps=0), split(1))
     assert not _warned(nf.DSGLD(hierarchy, 1e-3, local_steps=5), split(NUM_UNITS))
-    assert not _warned(nf.DSGLD(flat, 1e-3), split(NUM_UNITS))
+    assert not _warned(nf.DSGLD(flat, 1e-3, local_steps=0), split(NUM_UNITS))
+
+
+def test_local_steps_default_refreshes_where_locals_would_lag():
+    # None: K = 5 with local sites on several silos (no warning), else 0.
+    assert not _warned(nf.DSGLD(hierarchy, 1e-3), split(NUM_UNITS))
+    assert nf.DSGLD(hierarchy, 1e-3).config(split(NUM_UNITS)).local_steps == 5
+    assert nf.DSGLD(hierarchy, 1e-3).config(split(1)).local_steps == 0
+    assert nf.DSGLD(flat, 1e-3).config(split(NUM_UNITS)).local_steps == 0
+    assert nf.DSGLD(hierarchy, 1e-3, local_steps=2).config(split(1)).local_steps == 2
 
 
 def test_local_steps_must_be_a_count():
