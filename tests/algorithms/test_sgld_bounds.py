@@ -13,6 +13,7 @@ import numpyro_fed as nf
 from numpyro_fed.algorithms.sgld import conducive_factors
 from numpyro_fed.algorithms.sgld_bounds import bounded_position, conducive_bound
 from numpyro_fed.expfam import GaussianNat, grad_log_density
+from numpyro_fed.util import take
 
 
 def _surrogates(diagonal):
@@ -40,12 +41,7 @@ def test_bounded_conducive_term_keeps_zero_mean_and_stops_growing(diagonal):
 
     def terms(theta):
         at = bounded_position(bound, jnp.asarray(theta))
-        return np.stack(
-            [
-                grad_log_density(jax.tree.map(lambda x: x[s], factors), at)
-                for s in range(3)
-            ]
-        )
+        return np.stack([grad_log_density(take(factors, s), at) for s in range(3)])
 
     def distance(theta):
         d = np.asarray(theta) - center
