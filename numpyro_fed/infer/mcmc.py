@@ -290,8 +290,8 @@ class FSGLD(MCMCKernel):
             conducive, bound = None, None
             if self._surrogates is not None:
                 conducive = conducive_factors(self._surrogates, f, self._alpha)
-            if self._conducive_radius is not None:
-                bound = conducive_bound(self._surrogates, self._conducive_radius)
+                if self._conducive_radius is not None:
+                    bound = conducive_bound(self._surrogates, self._conducive_radius)
             cfg = SGLDConfig(
                 self._step_size,
                 self._tau,
