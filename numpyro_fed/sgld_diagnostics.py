@@ -390,7 +390,8 @@ def warn_diverged(name: str, went, step, silo, step_size) -> None:
     )
     warnings.warn(
         f"{name}: the Langevin step diverged to non-finite values: {where}; the "
-        "chain's later draws are NaN. Lower step_size. Where a global scale sets "
+        "chain's later draws are NaN. Lower step_size; for FSGLD, bound the "
+        "conducive gradient (conducive_radius, default 4). Where a global scale sets "
         "the spread of local sites (a funnel, as in a centred hierarchy), "
         "non-centre the model (numpyro.infer.reparam.LocScaleReparam): the "
         "curvature grows without bound toward the funnel's neck, beyond any fixed "

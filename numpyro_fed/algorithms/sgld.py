@@ -47,15 +47,16 @@ passes, and the server can replay every silo's noise and minibatch choice.
 2. *Distributed Stochastic Gradient MCMC*, S. Ahn, B. Shahbaba, M. Welling (ICML 2014).
 """
 
-import math
-import numbers
 from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from numpyro.infer.initialization import init_to_uniform
 
+from numpyro_fed.algorithms.sgld_bounds import (
+    ConduciveBound,
+    bounded_position,
+)
 from numpyro_fed.expfam import GaussianNat, grad_log_density
 from numpyro_fed.guard import guard_nonfinite
 from numpyro_fed.potentials import FederatedPotential, batch_indices
@@ -72,7 +73,6 @@ __all__ = [
     "Minibatch",
     "SGLDConfig",
     "annealed_step_size",
-    "check_step_size",
     "choose_silo",
     "conducive_factors",
     "conducive_gradient",
@@ -102,6 +102,8 @@ class SGLDConfig(NamedTuple):
       globals take one Langevin step together.
     - **local_step_size** - callable ``t -> h^L_t`` of those moves, or ``None``:
       :math:`h_t / f_s` on silo :math:`s`.
+    - **conducive_bound** - a
+      :class:`~numpyro_fed.algorithms.sgld_bounds.ConduciveBound`, or ``None``.
     """
 
     step_size: Callable
@@ -113,6 +115,7 @@ class SGLDConfig(NamedTuple):
     replace: bool
     local_steps: int = 0
     local_step_size: Callable | None = None
+    conducive_bound: ConduciveBound | None = None
 
 
 class FSGLDServerState(NamedTuple):
@@ -219,43 +222,6 @@ def annealed_step_size(a: float, b: float = 1.0, gamma: float = 0.55) -> Callabl
     return lambda t: a * (b + t) ** (-gamma)
 
 
-#: The steps at which a step-size schedule is checked: every one of the first
-#: thousand, then a geometric grid up to 1e9 (a schedule that turns NaN or negative
-#: late in a long run would otherwise poison the chain silently).
-_SCHEDULE_PROBES = np.unique(
-    np.concatenate([np.arange(1001), np.geomspace(1000, 1e9, 200).astype(np.int64)])
-)
-
-
-def check_step_size(step_size: Any) -> Callable:
-    """``step_size`` as a schedule ``t -> h_t``: a positive finite float, or a
-    callable that is positive and finite at every probed step (else a
-    ``ValueError`` naming the first bad step)."""
-    if callable(step_size):
-        probes = _SCHEDULE_PROBES
-        try:
-            h = np.asarray(jax.vmap(step_size)(jnp.asarray(probes, jnp.int32)))
-        except Exception:  # a schedule with Python control flow: a few steps
-            probes = probes[:: len(probes) // 20]
-            h = np.array([float(step_size(jnp.asarray(t, jnp.int32))) for t in probes])
-        bad = np.flatnonzero(~(np.isfinite(h) & (h > 0)))
-        if bad.size:
-            t0 = int(probes[bad[0]])
-            raise ValueError(
-                f"step_size(t) must be positive and finite at every step; at t={t0} "
-                f"it is {float(h[bad[0]])}."
-            )
-        return step_size
-    real = isinstance(step_size, numbers.Real) and not isinstance(step_size, bool)
-    value = float(step_size) if real else math.nan  # numpy's scalars are Real
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(
-            "step_size must be a positive finite number or a callable t -> h_t, got "
-            f"{step_size!r}."
-        )
-    return lambda t: jnp.asarray(value)
-
-
 def conducive_gradient(
     silo_grads: jax.Array, silo: jax.Array, silo_probs: jax.Array
 ) -> jax.Array:
@@ -357,7 +323,9 @@ def grad_estimator(pot: FederatedPotential, silo_prob: jax.Array) -> Estimator:
     return estimate
 
 
-def with_conducive_gradient(estimator: Estimator, factor: GaussianNat) -> Estimator:
+def with_conducive_gradient(
+    estimator: Estimator, factor: GaussianNat, bound: ConduciveBound | None = None
+) -> Estimator:
     r"""
     ``estimator`` plus the silo's conducive gradient :math:`\alpha g_s(\theta) = b_s
     - A_s \theta` (Eq. 7): a control variate with mean zero over the silo choice.
@@ -365,11 +333,16 @@ def with_conducive_gradient(estimator: Estimator, factor: GaussianNat) -> Estima
     :param estimator: a ``(position, minibatch) -> gradient`` estimator.
     :param GaussianNat factor: the silo's :math:`(b_s, A_s)`, a row of
         :func:`conducive_factors`.
+    :param ConduciveBound bound: evaluate the term at
+        :func:`~numpyro_fed.algorithms.sgld_bounds.bounded_position` (the same
+        point for every silo, so the mean stays zero), or ``None``: at
+        :math:`\theta`.
     """
 
     def estimate(position, batch):
         psi, g_local = estimator(position, batch)
-        return psi + grad_log_density(factor, position[0]), g_local
+        theta = position[0] if bound is None else bounded_position(bound, position[0])
+        return psi + grad_log_density(factor, theta), g_local
 
     return estimate
 
@@ -379,7 +352,8 @@ def silo_estimator(pot: FederatedPotential, cfg: SGLDConfig, silo: Any) -> Estim
     :func:`with_conducive_gradient` when ``cfg`` has surrogates."""
     estimator = grad_estimator(pot, cfg.silo_probs[silo])
     if cfg.conducive is not None:
-        estimator = with_conducive_gradient(estimator, take(cfg.conducive, silo))
+        factor = take(cfg.conducive, silo)
+        estimator = with_conducive_gradient(estimator, factor, cfg.conducive_bound)
     return estimator
 
 
@@ -422,6 +396,9 @@ def _local_move(pot, theta, z_local, data, h_local, key):
         lp_new - lp_old + log_q(z_local, new, g_new) - log_q(new, z_local, g_old)
     )
     accept = jnp.log(jax.random.uniform(keys[-1], (), lp_new.dtype)) < log_ratio
+    # A non-finite target (e.g. NaN data) would reject every move and freeze the
+    # locals at finite values: let its NaNs show, so the chain's guards see them.
+    accept = accept | ~jnp.isfinite(lp_old)
     return tree_where(accept, new, z_local)
 
 

@@ -29,14 +29,18 @@ from numpyro_fed.algorithms.sgld import (
     FSGLDServerState,
     FSGLDSiloState,
     SGLDConfig,
-    check_step_size,
     conducive_factors,
     fsgld,
     init_chain,
 )
+from numpyro_fed.algorithms.sgld_bounds import (
+    check_step_size,
+    conducive_bound,
+)
 from numpyro_fed.checks import check_count, check_state_layout
 from numpyro_fed.data import FederatedData
 from numpyro_fed.expfam import GaussianNat
+from numpyro_fed.infer.sgld_protocol import CommStats, ProtocolResult
 from numpyro_fed.potentials import FederatedPotential, federated_potential
 from numpyro_fed.protocol import FederatedAlgorithm, jit_algorithm, silo_data_of
 from numpyro_fed.runtime import contact_round, round_bytes, sequential_round
@@ -44,7 +48,7 @@ from numpyro_fed.runtime.accounting import nbytes
 from numpyro_fed.sgld_diagnostics import warn_if_diverged, warn_lagging_locals
 from numpyro_fed.surrogates import check_surrogates
 
-__all__ = ["DSGLD", "FSGLD", "CommStats", "ProtocolResult", "SGLDState"]
+__all__ = ["DSGLD", "FSGLD", "SGLDState"]
 
 
 class SGLDState(NamedTuple):
@@ -68,42 +72,6 @@ class SGLDState(NamedTuple):
     silo: jax.Array
     rng_key: jax.Array
     silo_keys: jax.Array
-
-
-class CommStats(NamedTuple):
-    """Communication of a protocol run.
-
-    - **rounds** - chain handoffs (= steps / tau).
-    - **steps** - Langevin steps taken.
-    - **surrogate_messages** - silo -> server surrogate uploads (once per silo).
-    - **surrogate_bytes** - their bytes, plus the product broadcast to each silo.
-    - **server_to_silo_messages** / **server_to_silo_bytes** - chain handoffs sent.
-    - **silo_to_server_messages** / **silo_to_server_bytes** - trajectories returned.
-    """
-
-    rounds: int
-    steps: int
-    surrogate_messages: int
-    surrogate_bytes: int
-    server_to_silo_messages: int
-    server_to_silo_bytes: int
-    silo_to_server_messages: int
-    silo_to_server_bytes: int
-
-
-class ProtocolResult(NamedTuple):
-    """- **samples** - constrained global sites, ``(rounds * tau, ...)`` per site.
-    - **server_state** - the final
-      :class:`~numpyro_fed.algorithms.sgld.FSGLDServerState`.
-    - **silo_states** - the final
-      :class:`~numpyro_fed.algorithms.sgld.FSGLDSiloState`, stacked by silo.
-    - **stats** - :class:`CommStats`.
-    """
-
-    samples: dict
-    server_state: FSGLDServerState
-    silo_states: FSGLDSiloState
-    stats: CommStats
 
 
 def _check_probs(silo_probs: Any, num_silos: int | None = None) -> np.ndarray | None:
@@ -181,10 +149,17 @@ class FSGLD(MCMCKernel):
         law; only the draws differ.
     :param int local_steps: ``K``: before each step the chain's silo refreshes its
         local sites by ``K`` MALA moves at the fixed globals, and the step averages
-        the global gradient over them (default 0: locals and globals step together;
-        with many small silos the locals lag and the sds inflate, ``docs/fsgld.md``).
+        the global gradient over them; 0: locals and globals step together (with
+        many small silos the locals lag and the sds inflate, ``docs/fsgld.md``).
+        Default ``None``: 5 when the model has local sites and the data several
+        silos, else 0.
     :param local_step_size: :math:`h^L` of those moves, a float or ``t -> h^L_t``
         (default :math:`h_t / f_s`).
+    :param float conducive_radius: evaluate the conducive gradient no further than
+        this many standard deviations of the surrogates' product from its mean
+        (:func:`~numpyro_fed.algorithms.sgld_bounds.bounded_position`; unbiased,
+        and bounded far out, where a linear term outgrows a funnel's likelihood);
+        default ``None``: unbounded, as in the paper.
 
     **Example:**
 
@@ -225,11 +200,14 @@ class FSGLD(MCMCKernel):
         replace: bool = True,
         init_strategy: Callable = init_to_uniform,
         reproducible: bool = False,
-        local_steps: int = 0,
+        local_steps: int | None = None,
         local_step_size: Any = None,
+        conducive_radius: float | None = 4.0,
     ) -> None:
         self._model = model
-        self._local_steps = check_count("local_steps", local_steps, 0)
+        self._local_steps = (
+            None if local_steps is None else check_count("local_steps", local_steps, 0)
+        )
         self._local_step_size = (
             None if local_step_size is None else check_step_size(local_step_size)
         )
@@ -253,6 +231,11 @@ class FSGLD(MCMCKernel):
             )
         if surrogates is not None:
             check_surrogates(surrogates)
+        if conducive_radius is not None:
+            if surrogates is None:
+                raise ValueError("conducive_radius bounds FSGLD's conducive gradient.")
+            conducive_bound(surrogates, conducive_radius)  # checks the radius
+        self._conducive_radius = conducive_radius
         self._surrogates = surrogates
         self._tau = int(tau)
         self._silo_probs = _check_probs(silo_probs)
@@ -293,7 +276,10 @@ class FSGLD(MCMCKernel):
                 f = np.full(data.num_silos, 1.0 / data.num_silos)
             if self._surrogates is not None:
                 check_surrogates(self._surrogates, data.num_silos, pot.global_dim)
-            warn_lagging_locals(pot, f, self._local_steps, type(self).__name__)
+            local_steps = self._local_steps
+            if local_steps is None:  # refresh the locals where they would lag
+                local_steps = 5 if pot.local_sites and data.num_silos > 1 else 0
+            warn_lagging_locals(pot, f, local_steps, type(self).__name__)
             if self._batch_size is not None and not self._replace:
                 if self._batch_size > min(data.sizes):
                     raise ValueError(
@@ -301,9 +287,11 @@ class FSGLD(MCMCKernel):
                         f"({min(data.sizes)} units): draw with replace=True or use a "
                         "smaller batch."
                     )
-            conducive = None
+            conducive, bound = None, None
             if self._surrogates is not None:
                 conducive = conducive_factors(self._surrogates, f, self._alpha)
+                if self._conducive_radius is not None:
+                    bound = conducive_bound(self._surrogates, self._conducive_radius)
             cfg = SGLDConfig(
                 self._step_size,
                 self._tau,
@@ -312,8 +300,9 @@ class FSGLD(MCMCKernel):
                 conducive,
                 self._batch_size,
                 self._replace,
-                self._local_steps,
+                local_steps,
                 self._local_step_size,
+                bound,
             )
             self._built[layout] = (pot, cfg)
         return self._built[layout]
@@ -566,7 +555,7 @@ class DSGLD(FSGLD):
         replace: bool = True,
         init_strategy: Callable = init_to_uniform,
         reproducible: bool = False,
-        local_steps: int = 0,
+        local_steps: int | None = None,
         local_step_size: Any = None,
     ) -> None:
         super().__init__(
@@ -582,4 +571,5 @@ class DSGLD(FSGLD):
             reproducible=reproducible,
             local_steps=local_steps,
             local_step_size=local_step_size,
+            conducive_radius=None,
         )

@@ -379,7 +379,9 @@ def test_local_latents_match_the_exact_hierarchical_posterior():
     # The standard errors come from 8 chain means (7 dof); seed 2 of the private
     # draws gives |z| = 4.8 on one of the 10 coordinates by chance (24 other seeds,
     # either mode: max |z| <= 4.0).
-    mcmc = run_chains(nf.FSGLD(fed, 1e-2, q, tau=1), data, 12000, seed=4)
+    # local_steps=0: the joint step (the refresh is checked in test_sgld_locals.py)
+    kernel = nf.FSGLD(fed, 1e-2, q, tau=1, local_steps=0)
+    mcmc = run_chains(kernel, data, 12000, seed=4)
     s = mcmc.get_samples(group_by_chain=True)
     assert s["b"].shape == (8, 12000, 9, 1)  # pooled order, as NUTS returns it
     z = np.concatenate([np.asarray(s["mu"])[..., None], np.asarray(s["b"])[..., 0]], -1)

@@ -165,7 +165,7 @@ def test_dsgld_runs_on_the_radon_model_with_a_latent_per_home():
     no mode, its density growing without bound as sigma_y shrinks.)"""
     fed = nf.federate(radon_latent, silos="county")
     data = nf.FederatedData.from_silos(_radon_silos())
-    kernel = nf.DSGLD(fed, 1e-4, tau=2)
+    kernel = nf.DSGLD(fed, 1e-4, tau=2, local_steps=0)  # the joint step
     mcmc = MCMC(kernel, num_warmup=0, num_samples=200, progress_bar=False)
     mcmc.run(jax.random.key(0), data)
     draws = mcmc.get_samples()
