@@ -8,9 +8,10 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from numpyro.infer import Predictive
+from numpyro.infer import SVI, Predictive, Trace_ELBO
 
 import numpyro_fed as nf
+from numpyro_fed.infer.vi import pooled_guide_params
 
 # Each federated VI algorithm and the family of its central twin (issue 22's
 # done-when: SFVI and PVI are judged against the same family fitted on pooled data).
@@ -30,19 +31,24 @@ _LIBRARY = str(Path(nf.__file__).parent)
 _SUITE = str(Path(__file__).parent)
 
 
-def central_fit(family, post, key, optim, num_steps, num_samples):
+def central_fit(family, post, key, optim, num_steps, num_samples, start):
     """Draws of the global sites from ``family`` fitted on the pooled data by NumPyro's
-    own ``SVI`` and ``Trace_ELBO`` (:func:`numpyro_fed.baselines.fit_centralized`,
-    the fit SFVI equals iterate for iterate from the same start and keys)."""
+    own ``SVI`` and ``Trace_ELBO`` from ``start`` (constrained SFVI parameters, the
+    federated runs' own start), and its final loss (mean of the last 10% of steps).
+    From the same start and keys SFVI equals this fit iterate for iterate
+    (``stl=False``; ``tests/algorithms/test_sfvi.py``)."""
     guide = GUIDES[family](post.fed_model)
     run_key, draw_key = jax.random.split(key)
-    result = nf.baselines.fit_centralized(
-        post.fed_model, guide, optim, post.data, run_key, num_steps
-    )
+    pooled = post.data.pooled()
+    svi = SVI(post.fed_model, guide, optim, Trace_ELBO())
+    init = pooled_guide_params(start, post.data)
+    result = svi.run(run_key, num_steps, progress_bar=False, init_params=init, **pooled)
     draws = Predictive(guide, params=result.params, num_samples=num_samples)(
-        draw_key, **post.data.pooled()
+        draw_key, **pooled
     )
-    return {k: np.asarray(draws[k]) for k in post.reference}
+    losses = np.asarray(result.losses)
+    loss = float(np.mean(losses[-max(len(losses) // 10, 1) :]))
+    return {k: np.asarray(draws[k]) for k in post.reference}, loss
 
 
 def compare_central(draws, central, reference):
