@@ -329,7 +329,7 @@ def main(argv=None):
             rows.append(checks.row(name, "NUTS", cell))
             print(rows[-1], f"(divergences {divergences})", flush=True)
         key, start_key = jax.random.split(key)
-        for family in checks.GUIDES:
+        for family in {checks.FAMILY.get(a) for a in args.algorithms} - {None}:
             cache["start"][(name, family)] = vi_start(family, post, start_key)
         for algorithm in args.algorithms:
             key, sub, central_key = jax.random.split(key, 3)
