@@ -70,8 +70,8 @@ load: the JSON records ``os.getloadavg()`` at the start and the end, and the com
 
 Run: ``python benchmarks/reference_suite.py`` (``make reference``; writes
 ``benchmarks/results/reference/suite.json``); ``--posteriors`` / ``--algorithms``
-pick a subset; ``--quick`` runs short settings. On 2 cores at load average 9-16
-(shared) every cell but one took 27 minutes with the NUTS checks; PVI on
+pick a subset; ``--quick`` runs short settings. On 2 cores at load average 4-16
+(shared) every cell but one took 33 minutes in all, NUTS checks included; PVI on
 item-response theory had not finished after 19 minutes. A quiet machine is
 unmeasured.
 """
