@@ -68,7 +68,7 @@ wheel-check:
 	bash scripts/check-wheel.sh
 
 # Every algorithm on every published reference posterior, after a NUTS check of each
-# port (numpyro_fed.reference; slow: about an hour on 2 cores). One table, and
+# port (numpyro_fed.reference; slow: 30-40 minutes on 2 cores). One table, and
 # benchmarks/results/reference/suite.json.
 reference: $(STAMP)
 	$(PY) benchmarks/reference_suite.py

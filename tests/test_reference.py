@@ -108,20 +108,95 @@ def test_quick_run_prints_a_finite_row(tmp_path, capsys):
     record = suite.main(
         [
             "--posteriors", "eight_schools_noncentered",
-            "--algorithms", "SFVI",
-            "--no-nuts", "--sfvi-steps", "100", "--out", str(out),
+            "--algorithms", "DSGLD",
+            "--no-nuts", "--sgld-steps", "200", "--out", str(out),
         ]
     )  # fmt: skip
-    run = record["runs"]["eight_schools_noncentered/SFVI"]
+    run = record["runs"]["eight_schools_noncentered/DSGLD"]
     assert run["finite"] and np.isfinite(run["score"]["all"]["mean_error"])
+    assert run["verdict"] in suite.checks.VERDICTS and isinstance(run["warnings"], list)
+    assert sum(record["summary"]["counts"].values()) == 1
+    assert len(record["loadavg_start"]) == len(record["loadavg_end"]) == 3
     row = capsys.readouterr().out.splitlines()[1].split()
-    assert row[:2] == ["eight_schools_noncentered", "SFVI"]
-    assert all(np.isfinite(float(x)) for x in row[2:3] + row[4:])
+    assert row[:2] == ["eight_schools_noncentered", "DSGLD"]
+    assert np.isfinite(float(row[2])) and np.isfinite(float(row[7]))  # error, time
+    assert row[8] == run["verdict"]
     assert out.exists()
+
+
+def _cell(**kwargs):
+    score = {"all": {"mean_error": 0.1, "sd_ratio": (0.9, 1.1)}}
+    return {"finite": True, "warnings": [], "score": score, **kwargs}
+
+
+def test_verdicts_follow_each_algorithms_stated_tolerance():
+    """VI against its central twin (0.1 reference sd in mean and sd), SGLD against
+    the reference (0.2 sd, sd ratio 0.8-1.25); outside: warned if the library said
+    so, FAIL if silent; a raised run is an error."""
+    checks = _suite().checks
+    near = {"mean_diff": 0.09, "sd_diff": 0.1, "sd_ratio": (0.95, 1.0)}
+    far = {**near, "sd_diff": 0.11}
+    warned = [{"category": "UserWarning", "message": "PVI: drifting"}]
+    cells = {
+        "SFVI": _cell(central=near),
+        "PVI": _cell(central=far, warnings=warned),
+        "SFVIAvg": _cell(central={**near, "mean_diff": 0.5}),
+        "SFVI-MF": _cell(),
+        "DSGLD": _cell(score={"all": {"mean_error": 0.2, "sd_ratio": (0.8, 1.26)}}),
+        "FSGLD": _cell(score={"all": {"mean_error": 0.2, "sd_ratio": (0.8, 1.25)}}),
+    }
+    got = {name: checks.verdict(name, cell) for name, cell in cells.items()}
+    assert {name: v for name, (v, _) in got.items()} == {
+        "SFVI": "ok",
+        "PVI": "warned",
+        "SFVIAvg": "FAIL",
+        "SFVI-MF": "n/a",
+        "DSGLD": "FAIL",
+        "FSGLD": "ok",
+    }
+    assert "PVI: drifting" in got["PVI"][1] and "1.26" in got["DSGLD"][1]
+    assert checks.verdict("FSGLD", _cell(finite=False))[0] == "FAIL"
+    assert checks.verdict("SFVI", {"error": "ValueError: x"}) == (
+        "error",
+        "ValueError: x",
+    )
+    runs = {name: {"verdict": v} for name, (v, _) in got.items()}
+    summary = checks.summary(runs)
+    assert summary["counts"] == {"ok": 2, "warned": 1, "FAIL": 2, "error": 0, "n/a": 1}
+    assert summary["silent_failures"] == ["SFVIAvg", "DSGLD"]
+
+
+def test_compare_central_is_in_reference_sds():
+    checks = _suite().checks
+    ref = {"w": reference.Reference(np.zeros(2), np.array([1.0, 4.0]), np.zeros(2))}
+    fed = {"w": np.array([[0.0, 0.0], [2.0, 4.0]])}  # means (1, 2), sds (1, 2)
+    central = {"w": np.array([[0.0, 0.5], [2.0, 1.5]])}  # means (1, 1), sds (1, 0.5)
+    got = checks.compare_central(fed, central, ref)
+    assert got == {"mean_diff": 0.25, "sd_diff": 0.375, "sd_ratio": (1.0, 4.0)}
+
+
+def test_only_the_librarys_warnings_count():
+    """A UserWarning attributed to a numpyro-fed module counts (once); one from
+    elsewhere, or a DeprecationWarning, does not."""
+    import warnings
+
+    import numpyro_fed
+
+    checks = _suite().checks
+    library = str(Path(numpyro_fed.__file__).parent / "infer" / "pvi.py")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            warnings.warn_explicit("PVI: drift\nmore", UserWarning, library, 1)
+        warnings.warn_explicit("x", DeprecationWarning, library, 1)
+        warnings.warn_explicit("y", UserWarning, str(Path(np.__file__)), 1)
+    assert checks.library_warnings(caught) == [
+        {"category": "UserWarning", "message": "PVI: drift"}
+    ]
 
 
 @pytest.mark.slow
 def test_full_suite_runs(tmp_path):
-    """Every algorithm on every posterior (about an hour on two cores)."""
+    """Every algorithm on every posterior (30-40 minutes on two cores)."""
     record = _suite().main(["--out", str(tmp_path / "suite.json")])
     assert all(v["within"] for v in record["nuts"].values()), record["nuts"]
