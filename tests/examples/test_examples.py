@@ -146,6 +146,7 @@ PARTS = {
     "flower/fedapp.py",
     "flower/clientapp_worker.py",
     "flower/fast_supernode.py",
+    "flower/inprocess.py",
     "flower/quick_pulls.py",
 }
 
