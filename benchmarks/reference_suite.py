@@ -56,7 +56,7 @@ Settings, one rule for every posterior (never tuned per run):
 
 - **SFVI** (guides ``AutoGlobalLocalNormal`` and ``AutoMeanField``): Adam,
   ``optax.exponential_decay(1e-2, 1000, 0.5)``, ``--sfvi-steps`` (5,000) steps, one
-  particle; the central fits the same.
+  particle, ``stl=False``; the central fits the same.
 - **SFVIAvg**: the same optimizer, ``--avg-local-steps`` (200) local steps per round,
   ``--avg-rounds`` (25) rounds: the same 5,000 steps of each silo's optimizer as
   SFVI. Fewer, longer rounds because each round's server step, the W2 barycenter of
@@ -65,7 +65,7 @@ Settings, one rule for every posterior (never tuned per run):
   item-response theory's 101 global coordinates and 20 silos on 2 loaded cores (500
   rounds of 10 steps took 1,257 s).
 - **PVI**: the library defaults (``AutoMeanField``, synchronous, damping, local
-  steps, particles), ``--pvi-rounds`` (200) rounds.
+  steps, particles) but ``stl=False``, ``--pvi-rounds`` (200) rounds.
 - **FSGLD / DSGLD**: step size ``h = 0.02 * (smallest reference sd)^2`` (a scale
   read off the globals' published sds; local sites and the unconstrained space of a
   positive site can be stiffer: eight_schools_noncentered's ``tau``, sd 3.2, gives
