@@ -31,40 +31,69 @@ _LIBRARY = str(Path(nf.__file__).parent)
 _SUITE = str(Path(__file__).parent)
 
 
+CENTRAL_SEEDS = 3  # central fits per (posterior, family); the lowest final loss is kept
+MC_STANDARD_ERRORS = 4  # the Monte Carlo allowance, in standard errors of a difference
+
+
 def central_fit(family, post, key, optim, num_steps, num_samples, start):
     """Draws of the global sites from ``family`` fitted on the pooled data by NumPyro's
     own ``SVI`` and ``Trace_ELBO`` from ``start`` (constrained SFVI parameters, the
     federated runs' own start), and its final loss (mean of the last 10% of steps).
-    From the same start and keys SFVI equals this fit iterate for iterate
-    (``stl=False``; ``tests/algorithms/test_sfvi.py``)."""
+    One run's seed moves its answer by about 0.15 reference sd (and eight schools'
+    centred funnel has several local optima), so ``CENTRAL_SEEDS`` runs are made from
+    the same start and the one with the lowest final loss is kept. From the same
+    start and keys SFVI with ``stl=False`` equals one such run iterate for iterate
+    (``tests/algorithms/test_sfvi.py``)."""
     guide = GUIDES[family](post.fed_model)
-    run_key, draw_key = jax.random.split(key)
     pooled = post.data.pooled()
     svi = SVI(post.fed_model, guide, optim, Trace_ELBO())
     init = pooled_guide_params(start, post.data)
-    result = svi.run(run_key, num_steps, progress_bar=False, init_params=init, **pooled)
-    draws = Predictive(guide, params=result.params, num_samples=num_samples)(
+    best = None
+    *run_keys, draw_key = jax.random.split(key, CENTRAL_SEEDS + 1)
+    for run_key in run_keys:
+        result = svi.run(
+            run_key, num_steps, progress_bar=False, init_params=init, **pooled
+        )
+        losses = np.asarray(result.losses)
+        loss = float(np.mean(losses[-max(len(losses) // 10, 1) :]))
+        if best is None or loss < best[1]:
+            best = (result.params, loss)
+    draws = Predictive(guide, params=best[0], num_samples=num_samples)(
         draw_key, **pooled
     )
-    losses = np.asarray(result.losses)
-    loss = float(np.mean(losses[-max(len(losses) // 10, 1) :]))
-    return {k: np.asarray(draws[k]) for k in post.reference}, loss
+    return {k: np.asarray(draws[k]) for k in post.reference}, best[1]
 
 
 def compare_central(draws, central, reference):
     """The federated fit against its central twin, in reference sds: the worst
     ``|mean_fed - mean_central| / ref_sd``, the worst ``|sd_fed - sd_central| /
-    ref_sd`` and the range of ``sd_fed / sd_central`` over every global coordinate."""
-    mean_diff, sd_diff, ratios = [], [], []
+    ref_sd`` and the range of ``sd_fed / sd_central`` over every global coordinate;
+    and the same two differences less their Monte Carlo allowance (``mean_excess``,
+    ``sd_excess``), which the tolerance applies to.
+
+    The allowance is ``MC_STANDARD_ERRORS`` standard errors of each coordinate's
+    difference between the two sets of independent draws (``n_fed`` and
+    ``n_central`` of them): ``sqrt(sd_fed^2 / n_fed + sd_central^2 / n_central)``
+    for the means and, for Gaussian draws, ``sqrt(sd_fed^2 / (2 n_fed) +
+    sd_central^2 / (2 n_central))`` for the sds, in reference sds."""
+    mean_diff, sd_diff, ratios, mean_excess, sd_excess = [], [], [], [], []
     for site, ref in reference.items():
         fed, cen = np.asarray(draws[site]), np.asarray(central[site])
-        mean_diff.append(np.ravel(np.abs(fed.mean(0) - cen.mean(0)) / ref.sd))
-        sd_diff.append(np.ravel(np.abs(fed.std(0) - cen.std(0)) / ref.sd))
-        ratios.append(np.ravel(fed.std(0) / cen.std(0)))
+        sd_f, sd_c = fed.std(0), cen.std(0)
+        m = np.ravel(np.abs(fed.mean(0) - cen.mean(0)) / ref.sd)
+        d = np.ravel(np.abs(sd_f - sd_c) / ref.sd)
+        se_m = np.ravel(np.sqrt(sd_f**2 / len(fed) + sd_c**2 / len(cen)) / ref.sd)
+        mean_diff.append(m)
+        sd_diff.append(d)
+        mean_excess.append(m - MC_STANDARD_ERRORS * se_m)
+        sd_excess.append(d - MC_STANDARD_ERRORS * se_m / np.sqrt(2))
+        ratios.append(np.ravel(sd_f / sd_c))
     ratio = np.concatenate(ratios)
     return {
         "mean_diff": float(np.max(np.concatenate(mean_diff))),
         "sd_diff": float(np.max(np.concatenate(sd_diff))),
+        "mean_excess": float(np.max(np.concatenate(mean_excess))),
+        "sd_excess": float(np.max(np.concatenate(sd_excess))),
         "sd_ratio": (float(np.min(ratio)), float(np.max(ratio))),
     }
 
@@ -97,12 +126,16 @@ def within_tolerance(algorithm, cell):
         central = cell.get("central")
         if central is None:
             return None, "no central fit to compare with"
-        worst = max(central["mean_diff"], central["sd_diff"])
-        if worst <= VI_TOLERANCE:
+        # Cells scored before the Monte Carlo allowance have no excess: judge the raw
+        # differences.
+        mean = central.get("mean_excess", central["mean_diff"])
+        sd = central.get("sd_excess", central["sd_diff"])
+        if max(mean, sd) <= VI_TOLERANCE:
             return True, ""
         return False, (
             f"vs central: mean {central['mean_diff']:.3g}, sd {central['sd_diff']:.3g} "
-            f"ref sds (tolerance {VI_TOLERANCE})"
+            f"ref sds (tolerance {VI_TOLERANCE} + Monte Carlo allowance; excess "
+            f"{mean:.3g}, {sd:.3g})"
         )
     score = cell["score"]["all"]
     lo, hi = score["sd_ratio"]

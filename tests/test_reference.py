@@ -156,6 +156,12 @@ def test_verdicts_follow_each_algorithms_stated_tolerance():
     }
     assert "PVI: drifting" in got["PVI"][1] and "1.26" in got["DSGLD"][1]
     assert checks.verdict("FSGLD", _cell(finite=False))[0] == "FAIL"
+    # The tolerance applies to the difference less its Monte Carlo allowance.
+    noisy = {**near, "mean_diff": 0.3, "mean_excess": 0.1, "sd_excess": 0.0}
+    assert checks.verdict("SFVI", _cell(central=noisy))[0] == "ok"
+    assert checks.verdict("SFVI", _cell(central={**noisy, "sd_excess": 0.11}))[0] == (
+        "FAIL"
+    )
     assert checks.verdict("SFVI", {"error": "ValueError: x"}) == (
         "error",
         "ValueError: x",
@@ -172,7 +178,15 @@ def test_compare_central_is_in_reference_sds():
     fed = {"w": np.array([[0.0, 0.0], [2.0, 4.0]])}  # means (1, 2), sds (1, 2)
     central = {"w": np.array([[0.0, 0.5], [2.0, 1.5]])}  # means (1, 1), sds (1, 0.5)
     got = checks.compare_central(fed, central, ref)
-    assert got == {"mean_diff": 0.25, "sd_diff": 0.375, "sd_ratio": (1.0, 4.0)}
+    # 4 standard errors of each coordinate's difference of two 2-draw estimates
+    se = np.sqrt(np.array([1.0**2 + 1.0**2, 2.0**2 + 0.5**2]) / 2) / np.array([1, 4])
+    assert got == {
+        "mean_diff": 0.25,
+        "sd_diff": 0.375,
+        "mean_excess": pytest.approx(max(np.array([0.0, 0.25]) - 4 * se)),
+        "sd_excess": pytest.approx(max(np.array([0.0, 0.375]) - 4 * se / np.sqrt(2))),
+        "sd_ratio": (1.0, 4.0),
+    }
 
 
 def test_only_the_librarys_warnings_count():
