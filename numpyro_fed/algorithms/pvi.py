@@ -323,11 +323,10 @@ def pvi(
                         is_prior, u, message.theta, data, eta_g, eta_l_u, keys
                     )
 
-                # Stein: E[hess] cov = E[grad (u-m)^T]; a Hessian per point costs d x more.
-                points, (mean, cov) = sigma_points(q), to_moments(q)
-                grads = jax.vmap(jax.grad(loglik))(points)
-                grad, cross = jnp.mean(grads, 0), grads.T @ (points - mean) / len(grads)
-                hess = jnp.linalg.solve(cov, cross.T).T if full else cross / cov
+                points = sigma_points(q)
+                grad = jnp.mean(jax.vmap(jax.grad(loglik))(points), 0)
+                hess = jnp.mean(jax.vmap(jax.hessian(loglik))(points), 0)
+                mean = to_moments(q)[0]
                 if full:
                     prec = -0.5 * (hess + hess.T)
                     return GaussianNat(grad + prec @ mean, prec)

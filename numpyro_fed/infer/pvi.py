@@ -159,9 +159,8 @@ class PVI(Driver):
         schedule with many small silos those moves are noise, and they add up over
         the silos into a collapsed q (J = 2,000 units, one per silo: sd 1.9e-6
         against the exact 0.022); PVI warns when it is asked for that. The natural
-        solver's step is the silo's own information, so it does not. It takes a
-        gradient at 2d sigma points (global dimension d) and the expected Hessian
-        from them by Stein's identity, exact up to cubic log-likelihoods.
+        solver's step is the silo's own information, so it does not. Its cost grows
+        with the square of the global dimension (a Hessian at 2d sigma points).
     :param int local_guide_steps: ``local_solver="natural"``: ``local_optim`` steps of
         the local guide per iteration (1: radon's county effects lag q 50+ rounds).
     :param bool reset_optimizer: ``local_solver="adam"``: a fresh optimizer state each
