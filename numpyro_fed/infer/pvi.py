@@ -32,7 +32,7 @@ from numpyro_fed.expfam import (
 from numpyro_fed.families.structured import AutoGlobalLocalNormal, AutoMeanField
 from numpyro_fed.infer.driver import Driver, FederatedState, RunResult
 from numpyro_fed.infer.posterior import sample_structured
-from numpyro_fed.infer.rounds import loss_drift
+from numpyro_fed.infer.pvi_checks import warn_unconverged
 from numpyro_fed.infer.vi import local_params, pooled_guide_params
 from numpyro_fed.partition import nested_sizes
 from numpyro_fed.util import constrain
@@ -417,7 +417,8 @@ class PVI(Driver):
         self, rng_key: jax.Array, num_steps: int, data: Any, **kwargs: Any
     ) -> RunResult:
         """:meth:`Driver.run <numpyro_fed.infer.driver.Driver.run>` (``num_steps``
-        rounds), warning when the server had to shrink updates to keep q valid."""
+        rounds), warning when the server had to shrink updates to keep q valid and
+        when q has not settled at its fixed point by the end (see ``docs/pvi.md``)."""
         result = super().run(rng_key, num_steps, data, **kwargs)
         scale = (
             np.asarray(result.history["scale"]).reshape(len(result.losses), -1).min(1)
@@ -430,17 +431,14 @@ class PVI(Driver):
                 "consider more damping.",
                 stacklevel=2,
             )
-        window = max(len(result.losses) // 10, 5)
-        rise, z = loss_drift(result.losses, window)
-        if z > 4 and rise > 1e-3 * abs(float(np.min(result.losses))):
-            warnings.warn(
-                f"{type(self).__name__}: the free energy of the last {window} rounds is "
-                f"{rise:.4g} worse than at its best ({z:.3g} standard errors): the "
-                "Monte Carlo error of the local solves is piling up across silos. "
-                "Use more local_steps and num_particles, more damping, or "
-                "local_solver='natural'.",
-                stacklevel=2,
-            )
+        final = result.state.server.q
+        rounds = len(result.losses)
+        q_history = jax.tree.map(  # the q at the end of each round
+            lambda h, f: jnp.reshape(h, (rounds, -1) + f.shape)[:, -1],
+            result.history["q"],
+            final,
+        )
+        warn_unconverged(type(self).__name__, result.losses, q_history)
         return result
 
     def get_params(self, state: FederatedState) -> PVIParams:
