@@ -39,14 +39,10 @@ def test_q_movement_measures_mean_in_sds_and_sd_in_log_ratio():
 
 
 def _fixed_point_warnings(rounds, damping):
-    jax.config.update("jax_enable_x64", True)
-    try:
-        fit = nf.PVI(nf.federate(_linreg, silos="data"), damping=damping)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fit.run(jax.random.key(0), rounds, _data(), progress_bar=False)
-    finally:
-        jax.config.update("jax_enable_x64", False)
+    fit = nf.PVI(nf.federate(_linreg, silos="data"), damping=damping)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit.run(jax.random.key(0), rounds, _data(), progress_bar=False)
     return [str(w.message) for w in caught if "fixed point" in str(w.message)]
 
 
