@@ -159,7 +159,7 @@ class FSGLD(MCMCKernel):
         this many standard deviations of the surrogates' product from its mean
         (:func:`~numpyro_fed.algorithms.sgld_bounds.bounded_position`; unbiased,
         and bounded far out, where a linear term outgrows a funnel's likelihood);
-        default ``None``: unbounded, as in the paper.
+        default 4; ``None``: unbounded, as in the paper.
 
     **Example:**
 
@@ -231,11 +231,11 @@ class FSGLD(MCMCKernel):
             )
         if surrogates is not None:
             check_surrogates(surrogates)
+        self._bound = None
         if conducive_radius is not None:
             if surrogates is None:
                 raise ValueError("conducive_radius bounds FSGLD's conducive gradient.")
-            conducive_bound(surrogates, conducive_radius)  # checks the radius
-        self._conducive_radius = conducive_radius
+            self._bound = conducive_bound(surrogates, conducive_radius)
         self._surrogates = surrogates
         self._tau = int(tau)
         self._silo_probs = _check_probs(silo_probs)
@@ -287,11 +287,9 @@ class FSGLD(MCMCKernel):
                         f"({min(data.sizes)} units): draw with replace=True or use a "
                         "smaller batch."
                     )
-            conducive, bound = None, None
+            conducive = None
             if self._surrogates is not None:
                 conducive = conducive_factors(self._surrogates, f, self._alpha)
-                if self._conducive_radius is not None:
-                    bound = conducive_bound(self._surrogates, self._conducive_radius)
             cfg = SGLDConfig(
                 self._step_size,
                 self._tau,
@@ -302,7 +300,7 @@ class FSGLD(MCMCKernel):
                 self._replace,
                 local_steps,
                 self._local_step_size,
-                bound,
+                self._bound,
             )
             self._built[layout] = (pot, cfg)
         return self._built[layout]
