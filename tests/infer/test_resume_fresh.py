@@ -144,6 +144,13 @@ def test_a_new_process_resumes_from_the_checkpoint_files_bit_for_bit(name, tmp_p
     save_checkpoint(tmp_path / "states", {"state": half.state}, step=2)
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu"}
+    # The new process compiles the programs this one just compiled: it reads them from
+    # the suite's on-disk cache when there is one (a load, not a compilation; the
+    # results are the same programs, so bit-for-bit equality is unaffected).
+    if jax.config.jax_compilation_cache_dir:
+        env["JAX_COMPILATION_CACHE_DIR"] = jax.config.jax_compilation_cache_dir
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     args = [name, tmp_path / "states", tmp_path / "out", tmp_path / "runs"]
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(RESUME), *map(str, args)],
