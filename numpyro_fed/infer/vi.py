@@ -400,7 +400,8 @@ class SFVIAvg(SFVI):
     def _newton_excess(self, result: RunResult, data: Any) -> float:
         """The largest ``|Sigma grad| / sd - 4 / sqrt(CHECK_PARTICLES)`` over the
         global coordinates, at ``result.params`` (``-inf`` without a global
-        Gaussian)."""
+        Gaussian, or when a silo's gradient was rejected: the sum then misses a
+        term)."""
         params = result.params
         if "loc" not in params.eta_global:
             return float("-inf")
@@ -412,9 +413,14 @@ class SFVIAvg(SFVI):
             optax.sgd(probe),
             num_particles=CHECK_PARTICLES,
             stl=False,
+            max_rejected=None,
         )
         key = jax.random.fold_in(result.state.rng_key, 1)
-        moved = sfvi_round.run(key, 1, data, init_params=params, progress_bar=False)
+        with warnings.catch_warnings():  # its rejections are handled here
+            warnings.simplefilter("ignore")
+            moved = sfvi_round.run(key, 1, data, init_params=params, progress_bar=False)
+        if np.any(np.asarray(moved.history["rejected"])):
+            return float("-inf")
         loc = np.asarray(params.eta_global["loc"], np.float64)
         grad = (np.asarray(moved.params.eta_global["loc"], np.float64) - loc) / probe
         scale = np.asarray(params.eta_global["scale"], np.float64)
