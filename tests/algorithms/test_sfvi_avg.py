@@ -218,3 +218,32 @@ def test_unknown_barycenter_backend_is_named():
             local_steps=2,
             barycenter="bures",
         )
+
+
+def test_answer_away_from_the_full_elbo_optimum_warns():
+    """Normal mean, two silos of two rows. Equal noise: the silos mirror each other,
+    SFVIAvg's answer is the posterior and the run is silent. Noise sd 1 in one silo
+    and 3 in the other: the exact posterior mean is 0.4 (sd 0.67), the barycenter of
+    the silos' fits sits near 2, and the run warns."""
+    import warnings
+
+    def model(y, noise):
+        mu = numpyro.sample("mu", dist.Normal(0.0, 10.0))
+        with numpyro.plate("data", y.shape[0]):
+            numpyro.sample("y", dist.Normal(mu, noise), obs=y)
+
+    fed = nf.federate(model, silos="data")
+    y = jnp.array([0.0, 0.0, 4.0, 4.0])
+
+    def run(noise):
+        data = nf.FederatedData.from_groups([0, 0, 1, 1], y=y, noise=noise)
+        avg = nf.SFVIAvg(fed, nf.AutoMeanField(fed), optax.adam(0.05), local_steps=50)
+        return avg.run(jax.random.key(0), 40, data, progress_bar=False)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        result = run(jnp.ones(4))
+    assert abs(float(result.params.eta_global["loc"][0]) - 8 / 4.01) < 0.05
+    with pytest.warns(UserWarning, match=r"SFVIAvg: the answer is not at the full"):
+        result = run(jnp.array([1.0, 1.0, 3.0, 3.0]))
+    assert float(result.params.eta_global["loc"][0]) > 1.0
