@@ -172,6 +172,44 @@ def test_verdicts_follow_each_algorithms_stated_tolerance():
     assert summary["silent_failures"] == ["SFVIAvg", "DSGLD"]
 
 
+def test_sgld_allowance_is_four_standard_errors_of_the_chains():
+    """A sampler's mean error less 4 standard errors from its effective sample size
+    (and the reference's own), its sd ratio pulled toward 1 by 4 standard errors
+    from the squared deviations' effective sample size."""
+    from numpyro.diagnostics import effective_sample_size
+
+    checks = _suite().checks
+    x = np.random.default_rng(0).normal(0.3, 2.0, size=(2, 500))
+    ref = {"m": reference.Reference(np.array(0.0), np.array(2.0), np.array(0.1))}
+    got = checks.sgld_allowance({"m": x}, ref)
+    flat = x.ravel()
+    n, sq = effective_sample_size(x), (x - flat.mean()) ** 2
+    se = np.sqrt(flat.std() ** 2 / n + 0.1**2) / 2.0
+    se_ratio = sq.std() / np.sqrt(effective_sample_size(sq)) / (2 * flat.std() * 2.0)
+    ratio = flat.std() / 2.0
+    assert got["mean_excess"] == pytest.approx(abs(flat.mean()) / 2.0 - 4 * se)
+    assert got["sd_ratio_allowed"] == pytest.approx(
+        (ratio + 4 * se_ratio, ratio - 4 * se_ratio)
+    )
+    assert got["min_ess"] == pytest.approx(float(n)) and 500 < n < 2000
+
+
+def test_sgld_verdict_needs_enough_effective_samples():
+    """Within tolerance after the allowance: ok; below the library's ESS threshold
+    never ok, whatever the raw numbers (warned when the library said so)."""
+    checks = _suite().checks
+    raw = {"all": {"mean_error": 0.3, "sd_ratio": (0.7, 1.3)}}
+    mc = {"mean_excess": 0.19, "sd_ratio_allowed": (0.81, 1.24), "min_ess": 400.0}
+    assert checks.verdict("DSGLD", _cell(score=raw, mc=mc)) == ("ok", "")
+    over = {**mc, "mean_excess": 0.21}
+    assert checks.verdict("DSGLD", _cell(score=raw, mc=over))[0] == "FAIL"
+    few = {**mc, "min_ess": 399.0}
+    verdict, reason = checks.verdict("DSGLD", _cell(mc=few))
+    assert verdict == "FAIL" and "effective sample size 399 < 400" in reason
+    warned = [{"category": "UserWarning", "message": "DSGLD: effective sample size"}]
+    assert checks.verdict("DSGLD", _cell(mc=few, warnings=warned))[0] == "warned"
+
+
 def test_compare_central_is_in_reference_sds():
     checks = _suite().checks
     ref = {"w": reference.Reference(np.zeros(2), np.array([1.0, 4.0]), np.zeros(2))}
