@@ -68,7 +68,10 @@ def to_arviz(
 
     :param samples: a dict site name -> draws of shape ``(draws, ...)`` (sites whose
         name starts with ``_`` are skipped), a ``numpyro.infer.MCMC`` (converted with
-        ``arviz.from_numpyro``) or a ``DataTree`` (returned unchanged).
+        ``arviz.from_numpyro``; the chains of an :class:`~numpyro_fed.FSGLD` or
+        :class:`~numpyro_fed.DSGLD` kernel are checked by
+        :func:`~numpyro_fed.sgld_diagnostics.warn_low_ess`, here and in
+        :func:`compare`) or a ``DataTree`` (returned unchanged).
     :type samples: dict, ~numpyro.infer.MCMC or xarray.DataTree
     :param int num_chains: for dict draws only: split the leading axis of
         ``chains * draws`` into ``(num_chains, draws)``, chain by chain as in
@@ -97,6 +100,7 @@ def to_arviz(
             raise ValueError("num_chains does not apply to an MCMC (it knows its own).")
         import arviz as az
 
+        _check_sgld_chains(samples)
         return az.from_numpyro(samples, dims=dims, coords=coords)
     if not isinstance(samples, Mapping):
         raise TypeError(
@@ -133,6 +137,18 @@ def to_arviz(
     return az.from_dict({"posterior": posterior}, dims=dims, coords=coords)
 
 
+def _check_sgld_chains(mcmc: MCMC) -> None:
+    """Warn when the chains of a federated SGLD kernel are too short for their means
+    to be trusted (:func:`~numpyro_fed.sgld_diagnostics.warn_low_ess`): NumPyro's
+    ``MCMC`` gives a kernel no hook that sees the whole chain, so the draws are
+    checked where they are read."""
+    from numpyro_fed.infer.mcmc import FSGLD
+    from numpyro_fed.sgld_diagnostics import warn_low_ess
+
+    if isinstance(mcmc.sampler, FSGLD):  # DSGLD is one too
+        warn_low_ess(mcmc, name=type(mcmc.sampler).__name__)
+
+
 def _pooled(source: Any, side: str) -> dict[str, np.ndarray | dist.Distribution]:
     """Site -> draws pooled over chains, shape ``(draws, ...)``, or a Distribution."""
     if _is_datatree(source):
@@ -150,6 +166,7 @@ def _pooled(source: Any, side: str) -> dict[str, np.ndarray | dist.Distribution]
             out[str(name)] = value.reshape((-1,) + value.shape[2:])
         return out
     if isinstance(source, MCMC):
+        _check_sgld_chains(source)
         return _check_draws(source.get_samples())
     if isinstance(source, dist.Distribution):
         raise TypeError(f"{side}: pass a dict site name -> Distribution.")

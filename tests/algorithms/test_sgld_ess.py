@@ -52,3 +52,32 @@ def test_warn_low_ess_reads_an_mcmc_and_refuses_flat_draws():
         assert warn_low_ess(Run())["mu"] < 20
     with pytest.raises(ValueError, match=r"'mu' shaped \(chains, draws"):
         warn_low_ess({"mu": np.zeros(100)})
+
+
+def test_reading_short_sgld_chains_warns_and_nuts_chains_do_not():
+    """nf.to_arviz and nf.compare read an MCMC's draws: a DSGLD chain of tiny steps
+    (ESS far below 400) is named there; a NUTS run of the same model is not checked
+    (NumPyro reports its own n_eff)."""
+    import jax
+    import jax.numpy as jnp
+    from numpyro.infer import MCMC, NUTS
+
+    import numpyro_fed as nf
+    from tests import _models as m
+
+    fed = nf.federate(m.normal_normal, silos="group")
+    y = np.random.default_rng(0).normal(size=(6, 3)) + 1.0
+    data = nf.FederatedData.from_groups(np.array([0, 0, 1, 1, 2, 2]), y=y)
+    mcmc = MCMC(nf.DSGLD(fed, 1e-5), num_warmup=0, num_samples=300, progress_bar=False)
+    mcmc.run(jax.random.key(0), data)
+    with pytest.warns(UserWarning, match="DSGLD: effective sample size below 400"):
+        nf.to_arviz(mcmc)
+    with pytest.warns(UserWarning, match="DSGLD: effective sample size below 400"):
+        nf.compare(mcmc, {"mu": np.zeros(1000)}, var_names=["mu"])
+    nuts = MCMC(
+        NUTS(m.normal_normal), num_warmup=20, num_samples=20, progress_bar=False
+    )
+    nuts.run(jax.random.key(1), y=jnp.asarray(y))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        nf.to_arviz(nuts)
