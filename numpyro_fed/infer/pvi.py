@@ -32,7 +32,7 @@ from numpyro_fed.expfam import (
 from numpyro_fed.families.structured import AutoGlobalLocalNormal, AutoMeanField
 from numpyro_fed.infer.driver import Driver, FederatedState, RunResult
 from numpyro_fed.infer.posterior import sample_structured
-from numpyro_fed.infer.pvi_checks import warn_unconverged
+from numpyro_fed.infer.pvi_checks import check_run
 from numpyro_fed.infer.vi import local_params, pooled_guide_params
 from numpyro_fed.partition import nested_sizes
 from numpyro_fed.util import constrain
@@ -132,8 +132,9 @@ class PVI(Driver):
         :math:`1 - \\rho`). Default: 1, or if synchronous 1/2 with the natural
         solver, :math:`1/J` with Adam's noisy solves. Measured against central
         mean-field SVI: German credit (5 silos) within 0.1 reference sd in 25 rounds
-        (60 at :math:`1/J`); radon (85 county silos) 0.25-0.33 sd off after 120
-        rounds (HalfNormal scales: 12.6 at :math:`1/J` after 80).
+        (60 at :math:`1/J`). Rounds at 1/2: exact solves (Gaussian likelihoods)
+        halve the distance to the fixed point each round; local guides set the
+        pace (radon, 85 silos: q's trend ends near round 80; run 2x, see ``average``).
     :param str schedule: ``"synchronous"`` (every silo from the same q: the
         ``"simulate"`` runtime), ``"sequential"`` (one silo after another: the
         ``"events"`` runtime) or ``"asynchronous"`` (one after another, each from a q
@@ -171,6 +172,11 @@ class PVI(Driver):
         silo's copy of q may lag behind (within a round).
     :param str order: ``"cyclic"`` or ``"random"`` visiting order for the sequential
         and asynchronous schedules.
+    :param float average: the fraction of the last rounds whose q ``run`` averages
+        (natural parameters) into ``params``: Monte Carlo local solves make q jitter
+        about its fixed point (radon, 85 silos: the last of 200 rounds 0.44
+        reference sd from central VI, the last 100's average 0.12). 0: the last q;
+        ``state`` always holds it and the last round's local guides.
     :param str init: ``"prior"`` (the paper's :math:`q^{(0)} = p`, all
         :math:`t_m = 1`) or ``"guide"`` (:math:`q^{(0)}` from the guide's
         ``init_loc_fn`` / ``init_scale``, split evenly across the factors; breaks the
@@ -233,6 +239,7 @@ class PVI(Driver):
         init: str = "prior",
         runtime: str | None = None,
         max_rejected: float | None = 0.25,
+        average: float = 0.5,
     ) -> None:
         if schedule not in _SCHEDULES:
             raise ValueError(
@@ -249,6 +256,8 @@ class PVI(Driver):
             )
         if init not in ("prior", "guide"):
             raise ValueError(f"init must be 'prior' or 'guide', got {init!r}.")
+        if not 0 <= average < 1:
+            raise ValueError(f"average must be in [0, 1), got {average!r}.")
         for name, opt in (("local_optim", local_optim), ("hyper_optim", hyper_optim)):
             if opt is not None:
                 check_optimizer(name, opt)
@@ -279,7 +288,12 @@ class PVI(Driver):
         self.solver = local_solver
         self.explicit_optim = local_optim is not None
         self.init_from = init
+        self.average = average
         self._priors: dict = {}
+
+    def average_window(self, rounds: int) -> int:
+        """How many of the last of ``rounds`` rounds' q ``run`` averages (≥ 1)."""
+        return max(int(self.average * rounds), 1)
 
     def damping_for(self, num_silos: int) -> float:
         """The damping used with ``num_silos`` silos."""
@@ -418,28 +432,16 @@ class PVI(Driver):
     ) -> RunResult:
         """:meth:`Driver.run <numpyro_fed.infer.driver.Driver.run>` (``num_steps``
         rounds), warning when the server had to shrink updates to keep q valid and
-        when q has not settled at its fixed point by the end (see ``docs/pvi.md``)."""
+        when q has not settled at its fixed point by the end (see ``docs/pvi.md``).
+        The returned ``params`` hold the average of the last rounds' q (see
+        ``average``); ``state`` holds the last round's, to resume from."""
         result = super().run(rng_key, num_steps, data, **kwargs)
-        scale = (
-            np.asarray(result.history["scale"]).reshape(len(result.losses), -1).min(1)
-        )
-        shrunk = int(np.sum(scale < 1))
-        if shrunk:
-            warnings.warn(
-                f"In {shrunk} round(s) the server shrank an update (smallest applied "
-                f"fraction {float(scale.min()):.3g}) to keep q a valid Gaussian; "
-                "consider more damping.",
-                stacklevel=2,
-            )
-        final = result.state.server.q
-        rounds = len(result.losses)
-        q_history = jax.tree.map(  # the q at the end of each round
-            lambda h, f: jnp.reshape(h, (rounds, -1) + f.shape)[:, -1],
-            result.history["q"],
-            final,
-        )
-        warn_unconverged(type(self).__name__, result.losses, q_history)
-        return result
+        window = self.average_window(len(result.losses))
+        q = check_run(type(self).__name__, result, window)
+        if window == 1:
+            return result
+        state = result.state._replace(server=result.state.server._replace(q=q))
+        return result._replace(params=self.get_params(state))
 
     def get_params(self, state: FederatedState) -> PVIParams:
         """The constrained parameters of ``state``."""

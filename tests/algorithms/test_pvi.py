@@ -468,6 +468,7 @@ def test_reset_optimizer_forgets_the_first_rounds_gradients():
             local_optim=optax.adam(1e-2),
             schedule="sequential",
             reset_optimizer=reset,
+            average=0,  # the q of round 30, not an average over a trending run
         )
         result = pvi.run(jax.random.key(0), 30, DATA_MF, progress_bar=False)
         ratios.append(np.asarray(result.params.eta_global["scale"]) / exact_sd)
