@@ -83,7 +83,8 @@ Settings, one rule for every posterior (never tuned per run):
   round for item-response theory's 101 global coordinates and 20 silos on 2 loaded
   cores (500 rounds of 10 steps took 1,257 s).
 - **PVI**: the library defaults (``AutoMeanField``, synchronous, damping, local
-  steps, particles) but ``stl=False``, ``--pvi-rounds`` (200) rounds.
+  steps, particles, the average of the last half of the rounds' q) but
+  ``stl=False``, ``--pvi-rounds`` (200) rounds.
 - **FSGLD / DSGLD**: step size ``h = 0.01 * s^2``, ``s`` the smallest reference
   sd in the samplers' own unconstrained coordinates (the delta method at the
   reference mean: ``sd / mean`` for a positive site). The samplers move there:
