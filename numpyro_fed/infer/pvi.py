@@ -174,9 +174,9 @@ class PVI(Driver):
         and asynchronous schedules.
     :param float average: the fraction of the last rounds whose q ``run`` averages
         (natural parameters) into ``params``: Monte Carlo local solves make q jitter
-        about its fixed point (radon, 85 silos, two seeds: the last of 200 rounds
-        0.44-0.74 reference sd from central VI, the last 100's average 0.12-0.43).
-        0: the last q; ``state`` always holds it and the last round's local guides.
+        about it (radon, 85 silos, 2 seeds: round 200 0.44-0.74 reference sd from
+        central VI, the last 100's average 0.12-0.43). 0: the last q (``state``
+        always holds it); a run from ``init_state`` averages its own rounds only.
     :param str init: ``"prior"`` (the paper's :math:`q^{(0)} = p`, all
         :math:`t_m = 1`) or ``"guide"`` (:math:`q^{(0)}` from the guide's
         ``init_loc_fn`` / ``init_scale``, split evenly across the factors; breaks the

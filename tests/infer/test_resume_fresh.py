@@ -26,9 +26,13 @@ MAKE = {
     "SFVIAvg": lambda: nf.SFVIAvg(
         FED, nf.AutoMeanField(FED), optax.adam(0.05), local_steps=2
     ),
-    "PVI": lambda: nf.PVI(FED, local_optim=optax.adam(0.05), local_steps=2),
+    # average=0: the returned params are the last q. By default they average the
+    # last half of the rounds *this run* made, which a run resumed from a state
+    # (not from its checkpoints, whose history it reads) does not hold; the state,
+    # what resuming is about, is the same either way.
+    "PVI": lambda: nf.PVI(FED, local_optim=optax.adam(0.05), local_steps=2, average=0),
     "FedGVI": lambda: nf.FedGVI(
-        FED, local_optim=optax.adam(0.05), local_steps=2, loss=("gce", 0.5)
+        FED, local_optim=optax.adam(0.05), local_steps=2, loss=("gce", 0.5), average=0
     ),
 }
 
