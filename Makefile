@@ -37,7 +37,7 @@ venv install: $(STAMP)
 # (pytest-dev/pytest-xdist#784), so a crash ends the run with a failure at once.
 XDIST := -n 2 --dist loadfile --max-worker-restart 0
 test: $(STAMP)
-	$(PY) -m pytest -q $(XDIST)
+	$(PY) -m pytest -q $(XDIST) --durations=25
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m slow

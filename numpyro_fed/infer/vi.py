@@ -411,8 +411,10 @@ class SFVIAvg(SFVI):
         params = result.params
         if "loc" not in params.eta_global:
             return float("-inf")
-        # One SFVI round with SGD of rate `probe` moves loc by probe * gradient.
-        probe = 1e-6
+        # One SFVI round with SGD of rate `probe` moves loc by exactly probe times
+        # the gradient at the answer; a small probe would drown that move in the
+        # rounding of loc (float32: 1e-7 |loc| / probe).
+        probe = 1e-2
         sfvi_round = SFVI(
             self.model,
             self.guide,
