@@ -26,11 +26,8 @@ import argparse
 import os
 import time
 
-from flwr.app.error import Error
-from flwr.app.message import Message
-from flwr.cli.install import install_from_fab
-from flwr.clientapp.utils import get_load_client_app_fn
-from flwr.common.constant import ErrorCode, SubStatus
+from app_tasks import error_reply, run_app
+from flwr.common.constant import SubStatus
 from flwr.proto.runtime_pb2 import AcquireTaskRequest  # pylint: disable=E0611
 from flwr.supercore.constant import TaskType
 from flwr.supercore.heartbeat import HeartbeatSender, make_task_heartbeat_fn_http
@@ -72,21 +69,10 @@ def run_task(address, insecure, token, apps):
     status, details = SubStatus.FAILED, "ClientApp task failed"
     try:
         message, context, run, fab = pull_task_input(client)
-        if fab.hash_str not in apps:  # install and import the app once
-            install_from_fab(fab.content, skip_prompt=True)
-            load = get_load_client_app_fn(
-                default_app_ref="", app_path=None, multi_app=True
-            )
-            apps[fab.hash_str] = load(run.fab_id, run.fab_version, fab.hash_str)
-        reply = apps[fab.hash_str](message=message, context=context)
+        reply = run_app(apps, run, fab, message, context)
         status, details = SubStatus.COMPLETED, ""
     except Exception as error:  # noqa: BLE001 - the reply carries it, as in Flower
-        details = f"{type(error)}:<'{error}'>"
-        if message is not None:
-            reply = Message(
-                Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=details),
-                reply_to=message,
-            )
+        reply, details = error_reply(error, message)
     finally:
         try:
             if reply is not None and context is not None:

@@ -27,10 +27,9 @@ state methods that are not public API; :func:`install` refuses any Flower but 1.
 
 import threading
 
-from flwr.app import Error, Message
-from flwr.cli.install import install_from_fab
-from flwr.clientapp.utils import get_load_client_app_fn
-from flwr.common.constant import ErrorCode, Status, SubStatus
+from app_tasks import error_reply, run_app
+from flwr.app import Message
+from flwr.common.constant import Status, SubStatus
 from flwr.supercore.constant import TaskType
 from flwr.supercore.inflatable.inflatable_object import iterate_object_tree
 from flwr.supercore.inflatable.inflatable_utils import inflate_object_from_contents
@@ -101,22 +100,10 @@ def run_task(state, store, run_id: int) -> None:
         message = _take_message(state, store, run_id)
         run = state.get_run(run_id)
         context = state.get_run_series_context(run.series_id)
-        fab = state.get_fab(run.fab_hash)
-        if fab.hash_str not in _APPS:  # install and import the app once
-            install_from_fab(fab.content, skip_prompt=True)
-            load = get_load_client_app_fn(
-                default_app_ref="", app_path=None, multi_app=True
-            )
-            _APPS[fab.hash_str] = load(run.fab_id, run.fab_version, fab.hash_str)
-        reply = _APPS[fab.hash_str](message=message, context=context)
+        reply = run_app(_APPS, run, state.get_fab(run.fab_hash), message, context)
         status, details = SubStatus.COMPLETED, ""
     except Exception as error:  # noqa: BLE001 - the reply carries it, as in Flower
-        details = f"{type(error)}:<'{error}'>"
-        if message is not None:
-            reply = Message(
-                Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=details),
-                reply_to=message,
-            )
+        reply, details = error_reply(error, message)
     finally:
         beating.set()
         if reply is not None and message is not None:

@@ -144,6 +144,7 @@ ELSEWHERE = {"flower/run_loopback.py": "tests/runtime/test_flower_loopback.py"}
 # Modules of the Flower app that run_loopback.py starts, not scripts of their own.
 PARTS = {
     "flower/fedapp.py",
+    "flower/app_tasks.py",
     "flower/clientapp_worker.py",
     "flower/fast_supernode.py",
     "flower/inprocess.py",
