@@ -179,6 +179,9 @@ class FSGLD(MCMCKernel):
         and bounded far out, where a linear term outgrows a funnel's likelihood);
         default 4; ``None``: unbounded, as in the paper.
 
+    A chain that leaves finite values shows NaNs and is warned of on the host, with
+    its step, silo and step size (:meth:`warn_divergence` says when).
+
     **Example:**
 
     .. doctest::
@@ -385,19 +388,15 @@ class FSGLD(MCMCKernel):
             z = jax.tree.map(jnp.asarray, z)
             server = init_chain(cfg, pot.split(z)[0], chain_key)
             silo_keys = jax.random.split(silo_key, data.num_silos)
-            never = jnp.full_like(server.step, -1)
-            return SGLDState(
-                z, server.step, server.silo, server.rng_key, silo_keys, never, never
-            )
+            never = jnp.full_like(server.step, -1)  # diverged_at, diverged_silo
+            return SGLDState(z, *server[1:], silo_keys, never, never)
 
         if is_prng_key(rng_key):
             state = one(rng_key, init_params)
+        elif init_params is None:
+            state = jax.vmap(one)(rng_key)
         else:
-            state = (
-                jax.vmap(one)(rng_key, init_params)
-                if init_params is not None
-                else (jax.vmap(one)(rng_key))
-            )
+            state = jax.vmap(one)(rng_key, init_params)
         self._sample_fn = self._step  # MCMC calls init while this is None
         self._warned = set()  # a new run: its divergences are new
         return state
@@ -553,7 +552,7 @@ class DSGLD(FSGLD):
     :param bool reproducible: as in :class:`FSGLD` (default ``False``: each silo
         draws from its own key).
     :param int local_steps: as in :class:`FSGLD`.
-    :param local_step_size: as in :class:`FSGLD`.
+    :param local_step_size: as in :class:`FSGLD` (divergences are warned of as there).
 
     **Example:**
 
