@@ -114,9 +114,10 @@ def warn_low_ess(
     from numpyro.diagnostics import effective_sample_size
 
     if hasattr(samples, "get_samples"):
-        warn_divergence = getattr(samples.sampler, "warn_divergence", None)
-        if warn_divergence is not None and samples.last_state is not None:
-            warn_divergence(samples.last_state)
+        warn = getattr(getattr(samples, "sampler", None), "warn_divergence", None)
+        last_state = getattr(samples, "last_state", None)
+        if warn is not None and last_state is not None:
+            warn(last_state)
         samples = samples.get_samples(group_by_chain=True)
     names = list(samples) if sites is None else list(sites)
     out, low = {}, []
