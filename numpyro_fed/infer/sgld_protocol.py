@@ -1,7 +1,8 @@
 # Copyright Contributors to the numpyro-fed project.
 # SPDX-License-Identifier: Apache-2.0
-"""What :meth:`~numpyro_fed.FSGLD.run_protocol` returns: the chain run as messages
-between a server and the silos, and what those messages cost."""
+""":meth:`~numpyro_fed.FSGLD.run_protocol`: the chain run as messages between a
+server and the silos under the sequential runtime (:func:`run_chain`), what it
+returns, and what those messages cost."""
 
 from typing import Any, NamedTuple
 import warnings
