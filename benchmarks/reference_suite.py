@@ -201,8 +201,9 @@ def _vi_draws(fit, result, post, key, num_samples=NUM_DRAWS):
 
 def _sgld(kernel, post, key, steps):
     """Draws of the global sites (chains merged) and the chains. The library's
-    ``warn_low_ess`` warns (into the cell) when the chains are too short for their
-    means to be trusted, as it would in a user's run."""
+    ``warn_low_ess`` warns (into the cell) of the chains that diverged and when the
+    chains are too short for their means to be trusted, as it would in a user's
+    run."""
     mcmc = MCMC(
         kernel,
         num_warmup=steps,
@@ -213,9 +214,11 @@ def _sgld(kernel, post, key, steps):
         progress_bar=False,
     )
     mcmc.run(key, post.data)
+    sgld_diagnostics.warn_low_ess(
+        mcmc, sites=post.reference, name=type(kernel).__name__
+    )
     chains = mcmc.get_samples(group_by_chain=True)
     chains = {k: np.asarray(chains[k]) for k in post.reference}
-    sgld_diagnostics.warn_low_ess(chains, name=type(kernel).__name__)
     draws = {k: v.reshape((-1,) + v.shape[2:]) for k, v in chains.items()}
     return draws, None, chains
 

@@ -138,10 +138,11 @@ def to_arviz(
 
 
 def _check_sgld_chains(mcmc: MCMC) -> None:
-    """Warn when the chains of a federated SGLD kernel are too short for their means
-    to be trusted (:func:`~numpyro_fed.sgld_diagnostics.warn_low_ess`): NumPyro's
-    ``MCMC`` gives a kernel no hook that sees the whole chain, so the draws are
-    checked where they are read."""
+    """Warn when the chains of a federated SGLD kernel diverged or are too short for
+    their means to be trusted (:func:`~numpyro_fed.sgld_diagnostics.warn_low_ess`,
+    which reads the divergences off ``mcmc.last_state``): NumPyro's ``MCMC`` gives a
+    kernel no hook that sees the whole chain, so the draws are checked where they
+    are read."""
     from numpyro_fed.infer.mcmc import FSGLD
     from numpyro_fed.sgld_diagnostics import warn_low_ess
 

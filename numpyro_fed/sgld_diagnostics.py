@@ -12,7 +12,6 @@ Models with local latent sites have no per-datum likelihood of :math:`\\theta` a
 (the locals would have to be integrated out), so these functions reject them.
 """
 
-from functools import partial
 from typing import Any, Callable, NamedTuple
 import warnings
 
@@ -34,7 +33,6 @@ __all__ = [
     "mean_error_curves",
     "warn_lagging_locals",
     "warn_diverged",
-    "warn_if_diverged",
     "warn_low_ess",
 ]
 
@@ -88,15 +86,17 @@ def warn_low_ess(
     chance alone). Call it on the chains after ``MCMC.run``; the cure is more
     steps or a larger step size (within the size that keeps the chain unbiased).
 
-    :param samples: an ``MCMC`` (its ``get_samples(group_by_chain=True)``) or a dict
-        site -> draws ``(chains, draws, ...)``.
+    :param samples: an ``MCMC`` (its ``get_samples(group_by_chain=True)``; for an
+        FSGLD or DSGLD run it first warns of the chains that diverged,
+        :meth:`~numpyro_fed.infer.mcmc.FSGLD.warn_divergence`) or a dict site ->
+        draws ``(chains, draws, ...)``.
     :param float min_ess: warn below this effective sample size (default
         :data:`MIN_ESS`: 4 Monte Carlo standard errors of a mean within 0.2 sd).
     :param sites: the site names to check (default every site).
     :param str name: the sampler's name, for the message.
     :return: site -> the smallest effective sample size over its coordinates
-        (NumPyro's ``effective_sample_size``; sites with non-finite draws, which the
-        samplers warn of as they diverge, are left out).
+        (NumPyro's ``effective_sample_size``; sites with non-finite draws are left
+        out: the divergence warning names their chains).
 
     **Example:**
 
@@ -114,6 +114,10 @@ def warn_low_ess(
     from numpyro.diagnostics import effective_sample_size
 
     if hasattr(samples, "get_samples"):
+        warn = getattr(getattr(samples, "sampler", None), "warn_divergence", None)
+        last_state = getattr(samples, "last_state", None)
+        if warn is not None and last_state is not None:
+            warn(last_state)
         samples = samples.get_samples(group_by_chain=True)
     names = list(samples) if sites is None else list(sites)
     out, low = {}, []
@@ -448,19 +452,46 @@ def finite_chains(z: dict, batched: bool) -> jax.Array:
     return jnp.stack(flags).all(0)
 
 
-def warn_diverged(name: str, went, step, silo, step_size) -> None:
-    """Warn, on the host, that the chains flagged in ``went`` left finite values on
-    their Langevin step ``step`` (0-based), naming each chain, its step, silo and
-    step size. The samplers call it from inside their compiled step, so a chain never
-    turns to NaN silently (its draws still show the NaNs, as NumPyro's do)."""
-    went, step, silo, h = (
-        np.atleast_1d(np.asarray(x)) for x in (went, step, silo, step_size)
-    )
-    h = np.broadcast_to(h, went.shape)
+def warn_diverged(
+    name: str,
+    state: Any,
+    step_size: Callable,
+    *,
+    chains: bool = True,
+    seen: set | None = None,
+) -> bool:
+    """
+    Warn (a ``RuntimeWarning``, on the host) naming each chain of a kernel's state
+    that has left finite values: the step it did (0-based: draw ``t`` of a run from
+    step 0 is the first non-finite one), its silo and step size, so a chain never
+    turns to NaN silently (its draws still show the NaNs, as NumPyro's do). The
+    kernels record that step in their state
+    (:class:`~numpyro_fed.infer.mcmc.SGLDState`'s ``diverged_at`` and
+    ``diverged_silo``) rather than report it from the compiled loop
+    (:meth:`~numpyro_fed.infer.mcmc.FSGLD.warn_divergence` says where this runs).
+
+    :param str name: the kernel's name, for the message.
+    :param state: one chain's state, or chains stacked along the leading axis.
+    :param callable step_size: the kernel's schedule ``t -> h_t``.
+    :param bool chains: name the chains by index (``False``: one chain whose index
+        the caller does not know, as in NumPyro's sequential chains).
+    :param set seen: leave out the ``(chain, step, silo)`` in it, and add those
+        warned of.
+    :return: whether it warned.
+    """
+    at = np.atleast_1d(np.asarray(state.diverged_at))
+    silo = np.atleast_1d(np.asarray(state.diverged_silo))
+    went = [int(c) for c in np.flatnonzero(at >= 0)]
+    if seen is not None:
+        went = [c for c in went if (c, int(at[c]), int(silo[c])) not in seen]
+        seen.update((c, int(at[c]), int(silo[c])) for c in went)
+    if not went:
+        return False
     where = ", ".join(
-        f"chain {c} at step {int(step[c])} on silo {int(silo[c])} (step size "
-        f"{float(h[c]):.3g})"
-        for c in np.flatnonzero(went)
+        (f"chain {c} at step " if chains else "at step ")
+        + f"{at[c]} on silo {silo[c]} (step size "
+        + f"{float(step_size(jnp.asarray(at[c], jnp.int32))):.3g})"
+        for c in went
     )
     warnings.warn(
         f"{name}: the Langevin step diverged to non-finite values: {where}; the "
@@ -471,21 +502,6 @@ def warn_diverged(name: str, went, step, silo, step_size) -> None:
         "curvature grows without bound toward the funnel's neck, beyond any fixed "
         "step size.",
         RuntimeWarning,
-        stacklevel=2,
+        stacklevel=3,
     )
-
-
-def warn_if_diverged(name: str, before: dict, after: dict, step, silo, step_size):
-    """Inside a compiled sampler step from position ``before`` to ``after`` (one
-    chain, or chains stacked along the leading axis of ``step``): call
-    :func:`warn_diverged` on the host for the chains that left finite values. One
-    unbatched ``cond``: the host hears only of the step a chain diverges on."""
-    batched = jnp.ndim(step) > 0
-    went = finite_chains(before, batched) & ~finite_chains(after, batched)
-    jax.lax.cond(
-        jnp.any(went),
-        lambda: jax.debug.callback(
-            partial(warn_diverged, name), went, step, silo, step_size
-        ),
-        lambda: None,
-    )
+    return True

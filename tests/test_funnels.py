@@ -96,10 +96,8 @@ def test_too_few_units_for_the_local_sites_warn_but_fit():
     assert np.all(np.linalg.eigvalsh(np.asarray(q.prec)) > 0)
 
 
-def test_a_diverging_chain_warns_naming_chain_step_silo_and_step_size():
-    """A step size far past the stability bound: the chains overflow, and the
-    kernel warns once per chain, at the step it diverged on."""
-    jax.config.update("jax_enable_x64", True)
+def _overflowing():
+    """Two silos and a step size far past the stability bound: chains overflow."""
 
     def model(y):
         mu = numpyro.sample("mu", dist.Normal(0.0, 1.0))
@@ -107,28 +105,91 @@ def test_a_diverging_chain_warns_naming_chain_step_silo_and_step_size():
             numpyro.sample("y", dist.Normal(mu, 0.01), obs=y)
 
     data = nf.FederatedData.from_groups([0, 0, 1, 1], y=jnp.array([0.1, 0.2, 0.3, 0.4]))
+    return nf.DSGLD(model, 1.0, tau=2), data
+
+
+def _check_diverged_draws(mcmc, found):
+    """``found``: (chain, step) pairs named by the warning; the state after step t
+    is draw t, so draw t - 1 was still finite and draw t is not."""
+    draws = np.asarray(mcmc.get_samples(group_by_chain=True)["mu"])
+    for chain, step in found:
+        assert np.isfinite(draws[chain, step - 1]) and not np.isfinite(
+            draws[chain, step]
+        )
+
+
+def _divergences(record):
+    messages = [str(w.message) for w in record if "diverged" in str(w.message)]
+    assert all(m.startswith("DSGLD: the Langevin step diverged") for m in messages)
+    return messages
+
+
+def test_a_diverging_chain_warns_naming_chain_step_silo_and_step_size():
+    """Vectorized chains without a progress bar: the state records the step each
+    chain diverged on, and reading the chains (nf.to_arviz) warns of each, naming
+    its step, silo and step size."""
+    jax.config.update("jax_enable_x64", True)
+    kernel, data = _overflowing()
     mcmc = MCMC(
-        nf.DSGLD(model, 1.0, tau=2),
+        kernel,
         num_warmup=0,
         num_samples=300,
         num_chains=2,
         chain_method="vectorized",
         progress_bar=False,
     )
+    mcmc.run(jax.random.key(0), data)
+    with pytest.warns(RuntimeWarning) as record:
+        nf.to_arviz(mcmc)
+    messages = _divergences(record)
+    found = re.findall(
+        r"chain (\d+) at step (\d+) on silo ([01]) \(step size 1\)", " ".join(messages)
+    )
+    assert sorted(int(c) for c, _, _ in found) == [0, 1], messages
+    state = mcmc.last_state
+    for c, t, s in found:
+        assert (state.diverged_at[int(c)], state.diverged_silo[int(c)]) == (
+            int(t),
+            int(s),
+        )
+    _check_diverged_draws(mcmc, [(int(c), int(t)) for c, t, _ in found])
+
+
+def test_a_diverging_chain_warns_during_the_run_with_a_progress_bar(monkeypatch):
+    """One chain with NumPyro's progress bar (the default): the bar reads the state
+    on the host after every step, so the warning comes during MCMC.run, once."""
+    jax.config.update("jax_enable_x64", True)
+    for name in ("CI", "PYTEST_XDIST_WORKER"):  # NumPyro turns the bar off there
+        monkeypatch.delenv(name, raising=False)
+    kernel, data = _overflowing()
+    mcmc = MCMC(kernel, num_warmup=0, num_samples=300, progress_bar=True)
     with pytest.warns(RuntimeWarning) as record:
         mcmc.run(jax.random.key(0), data)
-    messages = [str(w.message) for w in record if "diverged" in str(w.message)]
-    assert all(m.startswith("DSGLD: the Langevin step diverged") for m in messages)
-    found = re.findall(
-        r"chain (\d+) at step (\d+) on silo [01] \(step size 1\)", " ".join(messages)
+    messages = _divergences(record)
+    found = re.findall(r"at step (\d+) on silo [01] \(step size 1\)", messages[0])
+    assert len(messages) == 1 and len(found) == 1, messages
+    _check_diverged_draws(mcmc, [(0, int(found[0]))])
+
+
+def test_a_diverging_protocol_run_warns_of_its_dropped_rounds():
+    """run_protocol's runtime drops a non-finite trajectory (the chain repeats its
+    position rather than turn NaN): it warns after the run, naming the first such
+    round, its silo and step."""
+    jax.config.update("jax_enable_x64", True)
+    kernel, data = _overflowing()
+    with pytest.warns(RuntimeWarning, match="left finite values on") as record:
+        result = kernel.run_protocol(jax.random.key(0), data, 60)
+    message = str(record[0].message)
+    rounds, first, step = map(
+        int,
+        re.search(
+            r"on (\d+) of 60 rounds, first on round (\d+) \(silo [01], from step (\d+)",
+            message,
+        ).groups(),
     )
-    assert sorted(int(c) for c, _ in found) == [0, 1], messages
-    draws = np.asarray(mcmc.get_samples(group_by_chain=True)["mu"])
-    for chain, step in ((int(c), int(t)) for c, t in found):
-        # the state after step t is draw t: draw t - 1 was still finite
-        assert np.isfinite(draws[chain, step - 1]) and not np.isfinite(
-            draws[chain, step]
-        )
+    draws = np.asarray(result.samples["mu"])  # tau = 2 draws a round
+    assert step == 2 * first and np.isfinite(draws).all()
+    assert draws[2 * first] == draws[2 * first - 1] and rounds >= 1
 
 
 def glmm(X, y=None):

@@ -40,12 +40,15 @@ from numpyro_fed.algorithms.sgld_bounds import (
 from numpyro_fed.checks import check_count, check_state_layout
 from numpyro_fed.data import FederatedData
 from numpyro_fed.expfam import GaussianNat
-from numpyro_fed.infer.sgld_protocol import CommStats, ProtocolResult
+from numpyro_fed.infer.sgld_protocol import ProtocolResult, run_chain
 from numpyro_fed.potentials import FederatedPotential, federated_potential
 from numpyro_fed.protocol import FederatedAlgorithm, jit_algorithm, silo_data_of
-from numpyro_fed.runtime import contact_round, round_bytes, sequential_round
-from numpyro_fed.runtime.accounting import nbytes
-from numpyro_fed.sgld_diagnostics import warn_if_diverged, warn_lagging_locals
+from numpyro_fed.runtime import contact_round
+from numpyro_fed.sgld_diagnostics import (
+    finite_chains,
+    warn_diverged,
+    warn_lagging_locals,
+)
 from numpyro_fed.surrogates import check_surrogates
 
 __all__ = ["DSGLD", "FSGLD", "SGLDState"]
@@ -65,6 +68,10 @@ class SGLDState(NamedTuple):
       :math:`s` draws its minibatch and noise from ``fold_in(silo_keys[s], t)``
       (unused with ``reproducible=True``). The kernel simulates every party; in a
       deployment each silo holds only its own key.
+    - **diverged_at** - the step (0-based, like ``step``) on which the chain first
+      left finite values, -1 while finite (warned of on the host,
+      :meth:`FSGLD.warn_divergence`, never inside the compiled loop).
+    - **diverged_silo** - the silo that step ran on (-1 while finite).
     """
 
     z: dict
@@ -72,6 +79,8 @@ class SGLDState(NamedTuple):
     silo: jax.Array
     rng_key: jax.Array
     silo_keys: jax.Array
+    diverged_at: jax.Array
+    diverged_silo: jax.Array
 
 
 def _check_probs(silo_probs: Any, num_silos: int | None = None) -> np.ndarray | None:
@@ -117,7 +126,16 @@ def _sample(
         state.silo_keys[state.silo],
     )
     z = {**server.z_global, **silos.z_local}
-    return SGLDState(z, server.step, server.silo, server.rng_key, state.silo_keys)
+    # Recorded, not reported: a per-step cond + host callback cost ~3.2 us a step.
+    went = (state.diverged_at < 0) & ~finite_chains(z, batched=False)
+    return state._replace(
+        z=z,
+        step=server.step,
+        silo=server.silo,
+        rng_key=server.rng_key,
+        diverged_at=jnp.where(went, state.step, state.diverged_at),
+        diverged_silo=jnp.where(went, state.silo, state.diverged_silo),
+    )
 
 
 class FSGLD(MCMCKernel):
@@ -160,6 +178,9 @@ class FSGLD(MCMCKernel):
         (:func:`~numpyro_fed.algorithms.sgld_bounds.bounded_position`; unbiased,
         and bounded far out, where a linear term outgrows a funnel's likelihood);
         default 4; ``None``: unbounded, as in the paper.
+
+    A chain that leaves finite values shows NaNs and is warned of on the host, with
+    its step, silo and step size (:meth:`warn_divergence` says when).
 
     **Example:**
 
@@ -246,6 +267,7 @@ class FSGLD(MCMCKernel):
         self._reproducible = bool(reproducible)
         self._built: dict = {}
         self._sample_fn = None
+        self._warned: set = set()
 
     # ------------------------------------------------------------ construction
     @staticmethod
@@ -366,17 +388,17 @@ class FSGLD(MCMCKernel):
             z = jax.tree.map(jnp.asarray, z)
             server = init_chain(cfg, pot.split(z)[0], chain_key)
             silo_keys = jax.random.split(silo_key, data.num_silos)
-            return SGLDState(z, server.step, server.silo, server.rng_key, silo_keys)
+            never = jnp.full_like(server.step, -1)  # diverged_at, diverged_silo
+            return SGLDState(z, *server[1:], silo_keys, never, never)
 
         if is_prng_key(rng_key):
             state = one(rng_key, init_params)
+        elif init_params is None:
+            state = jax.vmap(one)(rng_key)
         else:
-            state = (
-                jax.vmap(one)(rng_key, init_params)
-                if init_params is not None
-                else (jax.vmap(one)(rng_key))
-            )
+            state = jax.vmap(one)(rng_key, init_params)
         self._sample_fn = self._step  # MCMC calls init while this is None
+        self._warned = set()  # a new run: its divergences are new
         return state
 
     def _check_position(
@@ -418,10 +440,7 @@ class FSGLD(MCMCKernel):
         data layout is refused, naming the site)."""
         data = self._data(model_args, model_kwargs)
         one = is_prng_key(state.rng_key)
-        new = (self._step if one else jax.vmap(self._step, (0, None)))(state, data)
-        h = self._step_size(state.step)
-        warn_if_diverged(type(self).__name__, state.z, new.z, state.step, state.silo, h)
-        return new
+        return (self._step if one else jax.vmap(self._step, (0, None)))(state, data)
 
     def postprocess_fn(self, model_args: tuple, model_kwargs: dict) -> Callable:
         """Unconstrained position -> constrained sites, local sites in pooled order."""
@@ -440,12 +459,41 @@ class FSGLD(MCMCKernel):
         return constrain
 
     def get_diagnostics_str(self, state: SGLDState) -> str:
+        """The progress bar's postfix, which NumPyro asks for on the host after each
+        step of one chain (and of each sequential chain): it also warns, once, of a
+        divergence during ``MCMC.run`` (:meth:`warn_divergence`)."""
+        self.warn_divergence(state, chains=False, once=True)
         return f"silo {int(state.silo)}, h={float(self._step_size(state.step)):.2e}"
+
+    def warn_divergence(
+        self, state: SGLDState, *, chains: bool = True, once: bool = False
+    ) -> bool:
+        """
+        Warn naming the chains of ``state`` that left finite values, their step,
+        silo and step size (:func:`~numpyro_fed.sgld_diagnostics.warn_diverged`).
+        A warning from inside NumPyro's compiled loop costs a ``cond`` a step
+        (~3.2 us on CPU), so the state records the step and this reads it on the
+        host: NumPyro's progress bar after every step of one chain
+        (:meth:`get_diagnostics_str`; not with ``progress_bar=False``, nor for
+        ``"vectorized"`` or ``"parallel"`` chains), and ``nf.to_arviz(mcmc)``,
+        ``nf.compare`` and :func:`~numpyro_fed.sgld_diagnostics.warn_low_ess` on
+        ``mcmc.last_state`` (every chain method).
+
+        :param SGLDState state: one chain's state, or chains stacked along the
+            leading axis (``mcmc.last_state``).
+        :param bool chains: name the chains by index (one chain's state: chain 0).
+        :param bool once: leave out those warned of since the kernel's ``init``.
+        :return: whether it warned.
+        """
+        seen = self._warned if once else None
+        name = type(self).__name__
+        return warn_diverged(name, state, self._step_size, chains=chains, seen=seen)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_sample_fn"] = None
         state["_built"] = {}
+        state["_warned"] = set()
         return state
 
     # --------------------------------------------------------------- protocol
@@ -475,40 +523,18 @@ class FSGLD(MCMCKernel):
         :rtype: ProtocolResult
         """
         num_rounds = check_count("num_rounds", num_rounds)
-        pot = self.potential(data)
         first = self.init(rng_key, 0, init_params, (data,), {})
         algorithm = jit_algorithm(self.algorithm(data))
-        z_global, z_local = pot.split(first.z)
-        server = FSGLDServerState(z_global, first.step, first.silo, first.rng_key)
-        silos = FSGLDSiloState(z_local)
-        silo_data = silo_data_of(data, pot.nested)
-        # The server's steps ignore their key; each silo draws from its own key
-        # folded with the step counter, so one key per silo serves every round.
-        server_key, silo_keys = first.rng_key, first.silo_keys
-        sizes = round_bytes(algorithm, server, silos, silo_data, server_key, silo_keys)
-        trajectories = []
-        for _ in range(num_rounds):
-            server, silos, info = sequential_round(
-                algorithm, server, silos, silo_data, server_key, silo_keys
-            )
-            trajectories.append(info.trajectory)
-        samples = jax.tree.map(lambda *xs: jnp.concatenate(xs), *trajectories)
-        surrogate_bytes, uploads = 0, 0
-        if self._surrogates is not None:
-            one = jax.tree.map(lambda x: x[0], self._surrogates)
-            surrogate_bytes = 2 * data.num_silos * nbytes(one)  # up once, product down
-            uploads = data.num_silos
-        stats = CommStats(
-            rounds=num_rounds,
-            steps=num_rounds * self._tau,
-            surrogate_messages=uploads,
-            surrogate_bytes=surrogate_bytes,
-            server_to_silo_messages=num_rounds,
-            server_to_silo_bytes=num_rounds * int(sizes.down),
-            silo_to_server_messages=num_rounds,
-            silo_to_server_bytes=num_rounds * int(sizes.reply),
+        return run_chain(
+            type(self).__name__,
+            algorithm,
+            self.potential(data),
+            first,
+            data,
+            num_rounds,
+            self._surrogates,
+            self._tau,
         )
-        return ProtocolResult(pot.constrain(samples), server, silos, stats)
 
 
 class DSGLD(FSGLD):
@@ -526,7 +552,7 @@ class DSGLD(FSGLD):
     :param bool reproducible: as in :class:`FSGLD` (default ``False``: each silo
         draws from its own key).
     :param int local_steps: as in :class:`FSGLD`.
-    :param local_step_size: as in :class:`FSGLD`.
+    :param local_step_size: as in :class:`FSGLD` (divergences are warned of as there).
 
     **Example:**
 
