@@ -150,18 +150,19 @@ class PVI(Driver):
     :param str local_solver: ``"natural"`` or ``"adam"``. ``"natural"``: the
         paper's damped fixed-point iteration (eq. 10) for q, with expectations at 2d
         sigma points (exact one-step updates for conjugate Gaussian likelihoods); a
-        model's local guide, if it has local latents, takes one ``local_optim`` step
-        per iteration under the current q. ``"adam"``: ``local_steps`` steps of
+        model's local guide takes ``local_guide_steps`` steps of ``local_optim`` per
+        iteration under the current q. ``"adam"``: ``local_steps`` steps of
         ``local_optim`` on q and the local guide together. Default: ``"natural"``,
         except for a model without local latents given a ``local_optim`` (the
-        optimizer is then the one for q). Adam's steps have a fixed size whatever
-        the size of the gradient, so each silo moves q by about ``lr * local_steps``
-        in every coordinate however little its data say: under the sequential
-        schedule with many small silos those moves are noise, and they add up over
-        the silos into a collapsed q (J = 2,000 units, one per silo: sd 1.9e-6
-        against the exact 0.022); PVI warns when it is asked for that. The natural
-        solver's step is the silo's own information, so it does not. Its cost grows
-        with the square of the global dimension (a Hessian at 2d sigma points).
+        optimizer is then the one for q). Adam's steps have a fixed size whatever a
+        silo's share of the data: with many small silos under the sequential
+        schedule they add up to a collapsed q (J = 2,000: sd 1.9e-6 against the
+        exact 0.022; PVI warns). The natural step is the silo's own information.
+    :param str curvature: how the ``"natural"`` solver takes the expected Hessian
+        of the log-likelihood: ``"hessian"``, the average of the Hessians at the 2d
+        sigma points (about :math:`2d^2` gradients an iteration), or ``"stein"``,
+        Stein's lemma from the same points' gradients (:math:`2d`; also exact on
+        Gaussian likelihoods; :func:`~numpyro_fed.expfam.expected_derivatives`).
     :param int local_guide_steps: ``local_solver="natural"``: ``local_optim`` steps of
         the local guide per iteration (1: radon's county effects lag q 50+ rounds).
     :param bool reset_optimizer: ``local_solver="adam"``: a fresh optimizer state each
@@ -231,6 +232,7 @@ class PVI(Driver):
         analytic_kl: bool = True,
         stl: bool = True,
         local_solver: str | None = None,
+        curvature: str = "hessian",
         local_guide_steps: int = 10,
         reset_optimizer: bool = False,
         hyper_optim: optax.GradientTransformation | None = None,
@@ -253,6 +255,10 @@ class PVI(Driver):
         if local_solver not in (None, "adam", "natural"):
             raise ValueError(
                 f"local_solver must be 'adam' or 'natural', got {local_solver!r}."
+            )
+        if curvature not in ("hessian", "stein"):
+            raise ValueError(
+                f"curvature must be 'hessian' or 'stein', got {curvature!r}."
             )
         if init not in ("prior", "guide"):
             raise ValueError(f"init must be 'prior' or 'guide', got {init!r}.")
@@ -280,6 +286,7 @@ class PVI(Driver):
         self.analytic_kl = analytic_kl
         self.stl = stl
         self.local_solver = local_solver
+        self.curvature = curvature
         self.local_guide_steps = local_guide_steps
         self.reset_optimizer = reset_optimizer
         # The solver in use: local_solver, or (None) chosen at set-up, once the
@@ -366,6 +373,7 @@ class PVI(Driver):
             analytic_kl=self.analytic_kl,
             stl=self.stl,
             local_solver=self.solver,
+            curvature=self.curvature,
             local_guide_steps=self.local_guide_steps,
             reset_optimizer=self.reset_optimizer,
             padded=min(data.sizes) < data.padded_size,
