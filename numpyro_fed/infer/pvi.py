@@ -50,7 +50,7 @@ _SCHEDULES = {
 
 # Sequential Adam local steps: 200 one-group silos end 7 % too narrow, 2,000 collapse.
 _ADAM_SILOS = 100
-_NATURAL_DAMPING = 0.5  # synchronous, natural solver (measured: the class docstring)
+_NATURAL_DAMPING = 0.5  # synchronous, natural solver (measured: docs/pvi.md)
 
 
 class InvalidCavity(ValueError):
@@ -130,11 +130,7 @@ class PVI(Driver):
     :param float damping: :math:`\\rho \\in (0, 1]`, the fraction of its update each
         silo sends (1 = undamped; the paper's E.4 "damping factor" is
         :math:`1 - \\rho`). Default: 1, or if synchronous 1/2 with the natural
-        solver, :math:`1/J` with Adam's noisy solves. Measured against central
-        mean-field SVI: German credit (5 silos) within 0.1 reference sd in 25 rounds
-        (60 at :math:`1/J`). Rounds at 1/2: exact solves (Gaussian likelihoods)
-        halve the distance to the fixed point each round; local guides set the
-        pace (radon, 85 silos: q's trend ends near round 80; run 2x, see ``average``).
+        solver, :math:`1/J` with Adam's noisy solves (measured: ``docs/pvi.md``).
     :param str schedule: ``"synchronous"`` (every silo from the same q: the
         ``"simulate"`` runtime), ``"sequential"`` (one silo after another: the
         ``"events"`` runtime) or ``"asynchronous"`` (one after another, each from a q
@@ -156,13 +152,10 @@ class PVI(Driver):
         except for a model without local latents given a ``local_optim`` (the
         optimizer is then the one for q). Adam's steps have a fixed size whatever a
         silo's share of the data: with many small silos under the sequential
-        schedule they add up to a collapsed q (J = 2,000: sd 1.9e-6 against the
-        exact 0.022; PVI warns). The natural step is the silo's own information.
-    :param str curvature: how the ``"natural"`` solver takes the expected Hessian
-        of the log-likelihood: ``"hessian"``, the average of the Hessians at the 2d
-        sigma points (about :math:`2d^2` gradients an iteration), or ``"stein"``,
-        Stein's lemma from the same points' gradients (:math:`2d`; also exact on
-        Gaussian likelihoods; :func:`~numpyro_fed.expfam.expected_derivatives`).
+        schedule they add up to a collapsed q (PVI warns); natural steps do not.
+    :param str curvature: the ``"natural"`` solver's expected Hessian: ``"hessian"``
+        averages the Hessians at the 2d sigma points (about :math:`2d^2` gradients);
+        ``"stein"`` gets it from their gradients (:math:`2d`; see ``docs/pvi.md``).
     :param int local_guide_steps: ``local_solver="natural"``: ``local_optim`` steps of
         the local guide per iteration (1: radon's county effects lag q 50+ rounds).
     :param bool reset_optimizer: ``local_solver="adam"``: a fresh optimizer state each
@@ -175,9 +168,8 @@ class PVI(Driver):
         and asynchronous schedules.
     :param float average: the fraction of the last rounds whose q ``run`` averages
         (natural parameters) into ``params``: Monte Carlo local solves make q jitter
-        about it (radon, 85 silos, 2 seeds: round 200 0.44-0.74 reference sd from
-        central VI, the last 100's average 0.12-0.43). 0: the last q (``state``
-        always holds it); a run from ``init_state`` averages its own rounds only.
+        about it (measured: ``docs/pvi.md``). 0: the last q (``state`` always
+        holds it); a run from ``init_state`` averages its own rounds only.
     :param str init: ``"prior"`` (the paper's :math:`q^{(0)} = p`, all
         :math:`t_m = 1`) or ``"guide"`` (:math:`q^{(0)}` from the guide's
         ``init_loc_fn`` / ``init_scale``, split evenly across the factors; breaks the
