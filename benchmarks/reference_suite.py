@@ -84,7 +84,7 @@ Settings, one rule for every posterior (never tuned per run):
   cores (500 rounds of 10 steps took 1,257 s).
 - **PVI**: the library defaults (``AutoMeanField``, synchronous, damping, local
   steps, particles, the average of the last half of the rounds' q) but
-  ``stl=False``, ``--pvi-rounds`` (200) rounds.
+  ``stl=False``, ``--pvi-rounds`` (200) rounds, ``--pvi-curvature`` (``"hessian"``).
 - **FSGLD / DSGLD**: step size ``h = 0.01 * s^2``, ``s`` the smallest reference
   sd in the samplers' own unconstrained coordinates (the delta method at the
   reference mean: ``sd / mean`` for a positive site). The samplers move there:
@@ -275,7 +275,7 @@ def run_algorithm(name, post, key, settings, start=None):
         )
         return _vi_draws(fit, result, post, draw_key)
     if name == "PVI":
-        fit = nf.PVI(fed, stl=False)
+        fit = nf.PVI(fed, stl=False, curvature=settings["pvi_curvature"])
         result = fit.run(run_key, settings["pvi_rounds"], data, progress_bar=False)
         return _vi_draws(fit, result, post, draw_key)
     h = sgld_step_size(post)
@@ -356,6 +356,7 @@ def main(argv=None):
     p.add_argument("--avg-rounds", type=int, default=25)
     p.add_argument("--avg-local-steps", type=int, default=200)
     p.add_argument("--pvi-rounds", type=int, default=200)
+    p.add_argument("--pvi-curvature", choices=("hessian", "stein"), default="hessian")
     p.add_argument("--sgld-steps", type=int, default=150_000)
     p.add_argument("--quick", action="store_true", help="short settings (smoke run)")
     p.add_argument("--seed", type=int, default=0)
@@ -370,6 +371,7 @@ def main(argv=None):
         "avg_rounds": args.avg_rounds,
         "avg_local_steps": args.avg_local_steps,
         "pvi_rounds": args.pvi_rounds,
+        "pvi_curvature": args.pvi_curvature,
         "sgld_steps": args.sgld_steps,
     }
     key = jax.random.key(args.seed)

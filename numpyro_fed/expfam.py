@@ -26,6 +26,7 @@ from numpyro.distributions import biject_to, constraints
 __all__ = [
     "GaussianNat",
     "apply_update",
+    "expected_derivatives",
     "expected_log_factor",
     "from_loc_scale",
     "from_moments",
@@ -371,11 +372,51 @@ def guide_params(q: GaussianNat, full: bool) -> dict:
     return params
 
 
-def sigma_points(q: GaussianNat) -> jax.Array:
-    """The 2d symmetric sigma points of q: exact expectations of polynomials of degree
-    up to 3, so of the gradient and Hessian of a quadratic log-likelihood."""
+def _sigma(q: GaussianNat) -> tuple[jax.Array, jax.Array]:
+    """The sigma points of q and the root :math:`L` of its covariance that made them
+    (lower-triangular, or diagonal for a mean-field q)."""
     mean, cov = to_moments(q)
-    d = mean.shape[0]
     root = jnp.linalg.cholesky(cov) if cov.ndim == 2 else jnp.diag(jnp.sqrt(cov))
-    offsets = jnp.sqrt(d) * root.T
-    return jnp.concatenate([mean + offsets, mean - offsets])
+    offsets = jnp.sqrt(mean.shape[0]) * root.T
+    return jnp.concatenate([mean + offsets, mean - offsets]), root
+
+
+def sigma_points(q: GaussianNat) -> jax.Array:
+    """The 2d symmetric sigma points of q, :math:`m \\pm \\sqrt{d}\\,L_k` for the
+    columns :math:`L_k` of a root of the covariance: exact expectations of polynomials
+    of degree up to 3, so of the gradient and Hessian of a quadratic log-likelihood."""
+    return _sigma(q)[0]
+
+
+def expected_derivatives(
+    fn: Callable, q: GaussianNat, curvature: str = "hessian"
+) -> tuple[jax.Array, jax.Array]:
+    """:math:`E_q[\\nabla f]` and :math:`E_q[\\nabla^2 f]` at the sigma points of q
+    (:func:`sigma_points`).
+
+    :param callable fn: :math:`f`, a scalar function of the flat vector.
+    :param GaussianNat q: a valid Gaussian.
+    :param str curvature: ``"hessian"``: the average of :math:`f`'s Hessians, exact
+        for polynomials of degree up to 5, at the cost of :math:`2d` Hessians (about
+        :math:`2d^2` gradients). ``"stein"``: Stein's lemma (Bonnet-Price),
+        :math:`E_q[\\nabla^2 f] = E_q[\\nabla f\\,(u - m)^\\top]\\Sigma^{-1}`, at the
+        same points: with :math:`D_k = \\nabla f(m + \\sqrt{d} L_k) - \\nabla f(m -
+        \\sqrt{d} L_k)` it is :math:`D L^{-1} / (2\\sqrt{d})`, from the :math:`2d`
+        gradients alone; exact up to degree 3 (so on Gaussian likelihoods). Neither
+        is symmetrized.
+    :return: ``(grad, hess)``, shapes ``(d,)`` and ``(d, d)``.
+    """
+    points, root = _sigma(q)
+    d = root.shape[0]
+    grads = jax.vmap(jax.grad(fn))(points)
+    if curvature == "hessian":
+        return jnp.mean(grads, 0), jnp.mean(jax.vmap(jax.hessian(fn))(points), 0)
+    if curvature != "stein":
+        raise ValueError(f"curvature must be 'hessian' or 'stein', got {curvature!r}.")
+    # Row k of diff is D_k; D L^{-1} = (L^{-T} D^T)^T, a triangular solve.
+    diff = (grads[:d] - grads[d:]) / (2 * jnp.sqrt(d))
+    if q.prec.ndim == 2:
+        hess = jax.scipy.linalg.solve_triangular(root, diff, lower=True, trans=1).T
+    else:
+        hess = diff.T / jnp.diagonal(root)
+    return jnp.mean(grads, 0), hess

@@ -55,6 +55,7 @@ from numpyro_fed.elbo import (
 from numpyro_fed.expfam import (
     GaussianNat,
     apply_update,
+    expected_derivatives,
     expected_log_factor,
     from_loc_scale,
     guide_params,
@@ -92,6 +93,7 @@ def pvi(
     analytic_kl: bool = True,
     stl: bool = True,
     local_solver: str = "adam",
+    curvature: str = "hessian",
     local_guide_steps: int = 1,
     reset_optimizer: bool = False,
     padded: bool = True,
@@ -129,6 +131,8 @@ def pvi(
         Gaussian likelihoods; a local guide takes one ``local_optim`` step per
         iteration, and the silo's likelihood at a global point is its bound over its
         local latents).
+    :param str curvature: ``"natural"`` solver: ``"hessian"`` or ``"stein"`` (d times
+        cheaper), see :func:`~numpyro_fed.expfam.expected_derivatives`.
     :param int local_guide_steps: ``"natural"`` solver: ``local_optim`` steps of the
         local guide (if any) per fixed-point iteration.
     :param bool reset_optimizer: ``"adam"`` solver: a fresh optimizer state each round.
@@ -199,9 +203,8 @@ def pvi(
         theta = constrain(theta_c, theta_u)
         values, log_det = guide.constrain_global(u)
         if is_prior:
-            return server_log_density(model, plate, template, {**values, **theta}) + (
-                log_det
-            )
+            prior = server_log_density(model, plate, template, {**values, **theta})
+            return prior + log_det
         if not eta_l_u:
             return silo_lik({**values, **theta}, data)
         draw = GlobalDraw(u, values, log_det)
@@ -323,9 +326,7 @@ def pvi(
                         is_prior, u, message.theta, data, eta_g, eta_l_u, keys
                     )
 
-                points = sigma_points(q)
-                grad = jnp.mean(jax.vmap(jax.grad(loglik))(points), 0)
-                hess = jnp.mean(jax.vmap(jax.hessian(loglik))(points), 0)
+                grad, hess = expected_derivatives(loglik, q, curvature)
                 mean = to_moments(q)[0]
                 if full:
                     prec = -0.5 * (hess + hess.T)

@@ -50,7 +50,7 @@ _SCHEDULES = {
 
 # Sequential Adam local steps: 200 one-group silos end 7 % too narrow, 2,000 collapse.
 _ADAM_SILOS = 100
-_NATURAL_DAMPING = 0.5  # synchronous, natural solver (measured: the class docstring)
+_NATURAL_DAMPING = 0.5  # synchronous, natural solver (measured: docs/pvi.md)
 
 
 class InvalidCavity(ValueError):
@@ -130,11 +130,7 @@ class PVI(Driver):
     :param float damping: :math:`\\rho \\in (0, 1]`, the fraction of its update each
         silo sends (1 = undamped; the paper's E.4 "damping factor" is
         :math:`1 - \\rho`). Default: 1, or if synchronous 1/2 with the natural
-        solver, :math:`1/J` with Adam's noisy solves. Measured against central
-        mean-field SVI: German credit (5 silos) within 0.1 reference sd in 25 rounds
-        (60 at :math:`1/J`). Rounds at 1/2: exact solves (Gaussian likelihoods)
-        halve the distance to the fixed point each round; local guides set the
-        pace (radon, 85 silos: q's trend ends near round 80; run 2x, see ``average``).
+        solver, :math:`1/J` with Adam's noisy solves (measured: ``docs/pvi.md``).
     :param str schedule: ``"synchronous"`` (every silo from the same q: the
         ``"simulate"`` runtime), ``"sequential"`` (one silo after another: the
         ``"events"`` runtime) or ``"asynchronous"`` (one after another, each from a q
@@ -150,18 +146,16 @@ class PVI(Driver):
     :param str local_solver: ``"natural"`` or ``"adam"``. ``"natural"``: the
         paper's damped fixed-point iteration (eq. 10) for q, with expectations at 2d
         sigma points (exact one-step updates for conjugate Gaussian likelihoods); a
-        model's local guide, if it has local latents, takes one ``local_optim`` step
-        per iteration under the current q. ``"adam"``: ``local_steps`` steps of
+        model's local guide takes ``local_guide_steps`` steps of ``local_optim`` per
+        iteration under the current q. ``"adam"``: ``local_steps`` steps of
         ``local_optim`` on q and the local guide together. Default: ``"natural"``,
         except for a model without local latents given a ``local_optim`` (the
-        optimizer is then the one for q). Adam's steps have a fixed size whatever
-        the size of the gradient, so each silo moves q by about ``lr * local_steps``
-        in every coordinate however little its data say: under the sequential
-        schedule with many small silos those moves are noise, and they add up over
-        the silos into a collapsed q (J = 2,000 units, one per silo: sd 1.9e-6
-        against the exact 0.022); PVI warns when it is asked for that. The natural
-        solver's step is the silo's own information, so it does not. Its cost grows
-        with the square of the global dimension (a Hessian at 2d sigma points).
+        optimizer is then the one for q). Adam's steps have a fixed size whatever a
+        silo's share of the data: with many small silos under the sequential
+        schedule they add up to a collapsed q (PVI warns); natural steps do not.
+    :param str curvature: the ``"natural"`` solver's expected Hessian: ``"hessian"``
+        averages the Hessians at the 2d sigma points (about :math:`2d^2` gradients);
+        ``"stein"`` gets it from their gradients (:math:`2d`; see ``docs/pvi.md``).
     :param int local_guide_steps: ``local_solver="natural"``: ``local_optim`` steps of
         the local guide per iteration (1: radon's county effects lag q 50+ rounds).
     :param bool reset_optimizer: ``local_solver="adam"``: a fresh optimizer state each
@@ -174,9 +168,8 @@ class PVI(Driver):
         and asynchronous schedules.
     :param float average: the fraction of the last rounds whose q ``run`` averages
         (natural parameters) into ``params``: Monte Carlo local solves make q jitter
-        about it (radon, 85 silos, 2 seeds: round 200 0.44-0.74 reference sd from
-        central VI, the last 100's average 0.12-0.43). 0: the last q (``state``
-        always holds it); a run from ``init_state`` averages its own rounds only.
+        about it (measured: ``docs/pvi.md``). 0: the last q (``state`` always
+        holds it); a run from ``init_state`` averages its own rounds only.
     :param str init: ``"prior"`` (the paper's :math:`q^{(0)} = p`, all
         :math:`t_m = 1`) or ``"guide"`` (:math:`q^{(0)}` from the guide's
         ``init_loc_fn`` / ``init_scale``, split evenly across the factors; breaks the
@@ -231,6 +224,7 @@ class PVI(Driver):
         analytic_kl: bool = True,
         stl: bool = True,
         local_solver: str | None = None,
+        curvature: str = "hessian",
         local_guide_steps: int = 10,
         reset_optimizer: bool = False,
         hyper_optim: optax.GradientTransformation | None = None,
@@ -253,6 +247,10 @@ class PVI(Driver):
         if local_solver not in (None, "adam", "natural"):
             raise ValueError(
                 f"local_solver must be 'adam' or 'natural', got {local_solver!r}."
+            )
+        if curvature not in ("hessian", "stein"):
+            raise ValueError(
+                f"curvature must be 'hessian' or 'stein', got {curvature!r}."
             )
         if init not in ("prior", "guide"):
             raise ValueError(f"init must be 'prior' or 'guide', got {init!r}.")
@@ -280,6 +278,7 @@ class PVI(Driver):
         self.analytic_kl = analytic_kl
         self.stl = stl
         self.local_solver = local_solver
+        self.curvature = curvature
         self.local_guide_steps = local_guide_steps
         self.reset_optimizer = reset_optimizer
         # The solver in use: local_solver, or (None) chosen at set-up, once the
@@ -366,6 +365,7 @@ class PVI(Driver):
             analytic_kl=self.analytic_kl,
             stl=self.stl,
             local_solver=self.solver,
+            curvature=self.curvature,
             local_guide_steps=self.local_guide_steps,
             reset_optimizer=self.reset_optimizer,
             padded=min(data.sizes) < data.padded_size,

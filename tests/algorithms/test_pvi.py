@@ -17,6 +17,7 @@ from numpyro_fed.densities import data_template
 from numpyro_fed.expfam import (
     GaussianNat,
     apply_update,
+    expected_derivatives,
     from_moments,
     is_valid,
     to_moments,
@@ -341,6 +342,10 @@ def test_bad_input():
         nf.PVI(FED, damping=1.5)
     with pytest.raises(ValueError, match="schedule"):
         nf.PVI(FED, schedule="round-robin")
+    with pytest.raises(ValueError, match="curvature must be 'hessian' or 'stein'"):
+        nf.PVI(FED, curvature="bonnet")
+    with pytest.raises(ValueError, match="curvature must be 'hessian' or 'stein'"):
+        expected_derivatives(jnp.sum, GaussianNat(jnp.zeros(2), jnp.ones(2)), "fd")
     with pytest.raises(TypeError, match="closed under factor division"):
         nf.PVI(FED, numpyro.infer.autoguide.AutoLowRankMultivariateNormal(FED))
     pvi = _natural()
@@ -452,6 +457,44 @@ def test_mean_field_natural_step_is_exact_on_correlated_inputs():
     state, _ = pvi.update(pvi.init(jax.random.key(0), data), data)
     np.testing.assert_allclose(state.server.q.prec, np.diag(PREC), rtol=1e-10)
     np.testing.assert_allclose(_moments(state)[0], MEAN, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("cov", ["full", "diag"])
+def test_stein_curvature_is_exact_on_gaussian_likelihoods(cov):
+    """curvature="stein" (Stein's lemma from the sigma points' gradients) is exact on
+    a Gaussian likelihood, as the Hessian average is: one step on one silo with
+    correlation 0.9 gives the exact posterior (full-rank) or the mean-field optimum
+    (the Newton step needs the whole expected Hessian, off-diagonal terms included)."""
+    data = nf.FederatedData.from_groups(np.zeros(len(Y)), X=X, y=Y)
+    pvi = _natural(cov=cov, damping=1.0, curvature="stein")
+    state, _ = pvi.update(pvi.init(jax.random.key(0), data), data)
+    prec = PREC if cov == "full" else np.diag(PREC)
+    np.testing.assert_allclose(state.server.q.prec, prec, rtol=1e-10)
+    np.testing.assert_allclose(_moments(state)[0], MEAN, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_stein_curvature_is_the_expected_hessian_of_a_cubic(full):
+    """On a cubic the Hessian is linear, so its expectation is the Hessian at the
+    mean: Stein's lemma at the sigma points gives it from the gradients alone (and
+    does not symmetrize), for a full-rank and a diagonal q."""
+    rng = np.random.default_rng(1)
+    d = 4
+    a, c, b = rng.normal(size=(d, d)), rng.normal(size=(d, d, d)), rng.normal(size=d)
+
+    def f(u):
+        return b @ u - 0.5 * u @ (a @ a.T) @ u + jnp.einsum("ijk,i,j,k", c, u, u, u)
+
+    mean = rng.normal(size=d)
+    root = np.tril(rng.normal(size=(d, d))) + 2 * np.eye(d)
+    cov = root @ root.T if full else np.diag(root @ root.T)
+    q = from_moments(jnp.asarray(mean), jnp.asarray(cov))
+    derivatives = jax.jit(expected_derivatives, static_argnums=(0, 2))
+    grad, hess = derivatives(f, q, "stein")
+    np.testing.assert_allclose(hess, jax.hessian(f)(mean), rtol=1e-10, atol=1e-10)
+    grad_h, hess_h = derivatives(f, q, "hessian")
+    np.testing.assert_allclose(hess, hess_h, rtol=1e-10, atol=1e-10)
+    np.testing.assert_array_equal(grad, grad_h)
 
 
 def test_reset_optimizer_forgets_the_first_rounds_gradients():
