@@ -169,10 +169,8 @@ def test_vertical_party_fault_moves_no_one_and_is_named():
     now the iteration is void (server and parties as they were) and the party is
     named."""
     data = fx.gaussian_data()
-    clean = _vertical()
-    state = clean.run(jax.random.key(0), 3, data, progress_bar=False).state
     bad = _vertical("b", max_rejected=None)
-    bad.init(jax.random.key(0), data)  # sets the object up for this data
+    state = bad.init(jax.random.key(0), data)
     with pytest.warns(UserWarning, match=r"party 'b' \(2 of 2 rounds\)"):
         result = bad.run(
             jax.random.key(1), 2, data, init_state=state, progress_bar=False
