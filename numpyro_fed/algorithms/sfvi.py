@@ -172,6 +172,10 @@ def sfvi(
             )  # fmt: skip
             return terms.log_p - terms.log_q
 
+        if num_particles == 1:
+            # Without the particle vmap's unit axis XLA's CPU loops run over one
+            # fewer dimension of every (silo, unit, ...) array: a faster round.
+            return particle(jax.tree.map(lambda x: x[0], draws), keys[0])
         return jnp.mean(jax.vmap(particle)(draws, keys))
 
     def silo_objective(theta_u, eta_g_u, eta_l_u, eps, keys, data):
