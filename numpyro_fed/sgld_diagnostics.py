@@ -27,7 +27,6 @@ __all__ = [
     "GradientVariance",
     "MeanErrorCurves",
     "epsilon_squared",
-    "finite_chains",
     "gamma_squared",
     "gradient_variance",
     "mean_error_curves",
@@ -438,18 +437,6 @@ def mean_error_curves(draws: Any, reference_mean: Any) -> MeanErrorCurves:
     running = np.cumsum(dev, 0) / t[:, None]
     distance = np.cumsum(np.linalg.norm(dev, axis=1)) / t
     return MeanErrorCurves(np.sum(running**2, 1), distance)
-
-
-def finite_chains(z: dict, batched: bool) -> jax.Array:
-    """Whether a chain's position ``z`` is finite: one flag, or one per chain along
-    the leading axis when ``batched``."""
-    flags = [
-        jnp.isfinite(x).reshape(x.shape[0], -1).all(1)
-        if batched
-        else jnp.isfinite(x).all()
-        for x in jax.tree.leaves(z)
-    ]
-    return jnp.stack(flags).all(0)
 
 
 def warn_diverged(
