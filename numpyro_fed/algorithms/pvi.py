@@ -93,7 +93,7 @@ def pvi(
     analytic_kl: bool = True,
     stl: bool = True,
     local_solver: str = "adam",
-    curvature: str = "hessian",
+    curvature: str = "auto",
     local_guide_steps: int = 1,
     reset_optimizer: bool = False,
     padded: bool = True,
@@ -131,8 +131,8 @@ def pvi(
         Gaussian likelihoods; a local guide takes one ``local_optim`` step per
         iteration, and the silo's likelihood at a global point is its bound over its
         local latents).
-    :param str curvature: ``"natural"`` solver: ``"hessian"`` or ``"stein"`` (d times
-        cheaper), see :func:`~numpyro_fed.expfam.expected_derivatives`.
+    :param str curvature: ``"natural"`` solver: ``"auto"``, ``"hessian"`` or ``"stein"``
+        (d times cheaper), see :func:`~numpyro_fed.expfam.expected_derivatives`.
     :param int local_guide_steps: ``"natural"`` solver: ``local_optim`` steps of the
         local guide (if any) per fixed-point iteration.
     :param bool reset_optimizer: ``"adam"`` solver: a fresh optimizer state each round.

@@ -23,6 +23,7 @@ from numpyro_fed.algorithms.pvi import pvi
 from numpyro_fed.checks import check_count, check_optimizer
 from numpyro_fed.densities import data_template
 from numpyro_fed.expfam import (
+    CURVATURES,
     GaussianNat,
     from_loc_scale,
     gaussian_prior,
@@ -155,7 +156,8 @@ class PVI(Driver):
         schedule they add up to a collapsed q (PVI warns); natural steps do not.
     :param str curvature: the ``"natural"`` solver's expected Hessian: ``"hessian"``
         averages the Hessians at the 2d sigma points (about :math:`2d^2` gradients);
-        ``"stein"`` gets it from their gradients (:math:`2d`; see ``docs/pvi.md``).
+        ``"stein"`` gets it from their gradients (:math:`2d`; ``docs/pvi.md``); default
+        ``"auto"``: ``"hessian"`` up to 50 global coordinates, ``"stein"`` above.
     :param int local_guide_steps: ``local_solver="natural"``: ``local_optim`` steps of
         the local guide per iteration (1: radon's county effects lag q 50+ rounds).
     :param bool reset_optimizer: ``local_solver="adam"``: a fresh optimizer state each
@@ -224,7 +226,7 @@ class PVI(Driver):
         analytic_kl: bool = True,
         stl: bool = True,
         local_solver: str | None = None,
-        curvature: str = "hessian",
+        curvature: str = "auto",
         local_guide_steps: int = 10,
         reset_optimizer: bool = False,
         hyper_optim: optax.GradientTransformation | None = None,
@@ -248,10 +250,8 @@ class PVI(Driver):
             raise ValueError(
                 f"local_solver must be 'adam' or 'natural', got {local_solver!r}."
             )
-        if curvature not in ("hessian", "stein"):
-            raise ValueError(
-                f"curvature must be 'hessian' or 'stein', got {curvature!r}."
-            )
+        if curvature not in CURVATURES:
+            raise ValueError(f"curvature must be one of {CURVATURES}, got {curvature!r}.")
         if init not in ("prior", "guide"):
             raise ValueError(f"init must be 'prior' or 'guide', got {init!r}.")
         if not 0 <= average < 1:
