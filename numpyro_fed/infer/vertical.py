@@ -9,6 +9,7 @@ blocks are equal up to names (:func:`~numpyro_fed.vertical.parties.find_groups`)
 are stacked and vmapped as one group, the others are groups of one.
 """
 
+from functools import partial
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -28,6 +29,7 @@ from numpyro_fed.algorithms.vertical_sfvi import (
 from numpyro_fed.checks import check_state_layout
 from numpyro_fed.infer.driver import Driver, FederatedState, RunResult
 from numpyro_fed.protocol import SiloData, jit_algorithm
+from numpyro_fed.runtime import sharded_group_round, silo_mesh
 from numpyro_fed.runtime.groups import group_round, stack_groups, unstack_groups
 from numpyro_fed.util import tree_where
 from numpyro_fed.vertical.augment import AugmentedModel, VerticalModelError
@@ -96,8 +98,10 @@ class VerticalSFVI(Driver):
     :param optim: an optax optimizer for every owner, or a dict owner (each party and
         ``"server"``) -> optimizer: each party updates with its own.
     :param bool stl: sticking-the-landing gradients.
-    :param str runtime: ``"simulate"`` (one jitted round) or ``"sequential"`` (one
-        party at a time, each function jitted on its own, messages materialized).
+    :param str runtime: ``"simulate"`` (one jitted round), ``"sequential"`` (one
+        party at a time, each function jitted on its own, messages materialized) or
+        ``"sharded"`` (one jitted round, the party groups spread over all local
+        devices: :func:`~numpyro_fed.runtime.sharded_group_round`).
     :param bool record_messages: with the sequential runtime, keep every message in
         ``self.messages`` as ``(index, sender, receiver, message)``.
     :param int local_steps: optimizer steps each party takes per round with the
@@ -106,7 +110,7 @@ class VerticalSFVI(Driver):
         term's *linearization* :math:`\\langle g_j, z_j\\rangle` around the
         round's :math:`z_j`, which is exact only for the first step: an
         approximation (the split-NN style of local work), warned about once.
-    :param bool vmap_parties: in the simulation runtime, run the parties whose blocks
+    :param bool vmap_parties: in the simulation and sharded runtimes, run the parties whose blocks
         are equal up to names (same shapes, same optimizer and :math:`\\rho`, and the
         same values at a random probe point) as one vmapped call; the others, and
         every party under ``vmap_parties=False``, one after another in the round.
@@ -163,11 +167,10 @@ class VerticalSFVI(Driver):
             raise TypeError(
                 f"family must be a VerticalFamily, got {type(family).__name__}."
             )
-        if runtime not in ("simulate", "sequential"):
-            # e.g. "sharded": one SPMD program cannot step parties of different structure
-            raise (NotImplementedError if runtime == "sharded" else ValueError)(
-                "VerticalSFVI's parties are silos of different structure: runtime "
-                f"must be 'simulate' or 'sequential', got {runtime!r}."
+        if runtime not in ("simulate", "sequential", "sharded"):
+            raise ValueError(
+                "VerticalSFVI: runtime must be 'simulate', 'sequential' or 'sharded', "
+                f"got {runtime!r}."
             )
         if not isinstance(optim, (dict, optax.GradientTransformation)):
             raise TypeError(
@@ -305,6 +308,9 @@ class VerticalSFVI(Driver):
 
     def _round_fn(self, algorithm, groups: tuple) -> Callable:
         phases = num_phases(self._bound.kind)
+        step = partial(group_round, algorithm)
+        if self.runtime == "sharded":
+            step = partial(sharded_group_round, algorithm, silo_mesh())
         if self.runtime == "sequential":
             algorithm = jit_algorithm(algorithm)
             if self.record_messages:
@@ -317,15 +323,8 @@ class VerticalSFVI(Driver):
             for phase in range(phases):
                 # a constant (not traced) phase: each call compiles its branch only
                 server = server._replace(phase=np.int32(phase))
-                server, silos, info = group_round(
-                    algorithm,
-                    groups,
-                    server,
-                    silos,
-                    data,
-                    server_key,
-                    keys,
-                    participating,
+                server, silos, info = step(
+                    groups, server, silos, data, server_key, keys, participating
                 )
                 infos.append(info)
             # A party's rejected reply in any phase voids the whole iteration, so no
@@ -335,7 +334,7 @@ class VerticalSFVI(Driver):
             info = infos[phases - 2]  # the phase with the loss
             return server, silos, info._replace(rejected=rejected)
 
-        return jax.jit(round_fn) if self.runtime == "simulate" else round_fn
+        return round_fn if self.runtime == "sequential" else jax.jit(round_fn)
 
     # ------------------------------------------------------------------ layout
     @property
@@ -393,10 +392,10 @@ class VerticalSFVI(Driver):
         return rng_key, RoundKeys(idx, server_key, party_keys)
 
     def _find_groups(self, parties: dict, data: VerticalData, rng_key) -> None:
-        """Group the parties for the simulation runtime (see ``vmap_parties``)."""
+        """Group the parties (``vmap_parties``) unless the runtime is sequential."""
         names = self._bound.parties
         self._groups = None
-        if not (self.vmap_parties and self.runtime == "simulate" and len(names) > 1):
+        if not (self.vmap_parties and self.runtime != "sequential" and len(names) > 1):
             return
         views = {p: data.view(p) for p in names}
         sigs = {

@@ -18,7 +18,13 @@ from numpyro_fed.protocol import FederatedAlgorithm, Message
 from numpyro_fed.runtime.simulate import contacted_silos
 from numpyro_fed.util import rows_where, stack, take
 
-__all__ = ["group_round", "stack_groups", "unstack_groups"]
+__all__ = [
+    "group_round",
+    "stack_groups",
+    "step_group",
+    "step_groups",
+    "unstack_groups",
+]
 
 
 def stack_groups(trees: list, groups: tuple) -> tuple:
@@ -36,6 +42,38 @@ def unstack_groups(stacked: tuple, groups: tuple) -> list:
     return [out[j] for j in range(len(out))]
 
 
+def step_group(
+    silo_step: Any, broadcast: Any, routed: Any, states: Any, data: Any, keys: Any
+) -> tuple[Any, Any]:
+    """One group's ``(replies, new states)``, stacked: a group of one is called as
+    it is, a larger one under :func:`jax.vmap` (``routed``: the group's rows)."""
+    if keys.shape[0] == 1:
+        reply, new = silo_step(
+            Message(broadcast, take(routed, 0)), take(states, 0), take(data, 0), keys[0]
+        )
+        return stack([reply]), stack([new])
+    return jax.vmap(silo_step, in_axes=(Message(None, 0), 0, 0, 0))(
+        Message(broadcast, routed), states, data, keys
+    )
+
+
+def step_groups(
+    silo_step: Any,
+    broadcast: Any,
+    routed: tuple,
+    states: tuple,
+    data: tuple,
+    keys: tuple,
+) -> tuple[list, list]:
+    """Every group's :func:`step_group`, one after another: ``(replies, states)``,
+    one stacked tree per group."""
+    out = [
+        step_group(silo_step, broadcast, *args)
+        for args in zip(routed, states, data, keys, strict=True)
+    ]
+    return [r for r, _ in out], [s for _, s in out]
+
+
 def group_round(
     algorithm: FederatedAlgorithm,
     groups: tuple,
@@ -45,6 +83,8 @@ def group_round(
     server_key: jax.Array,
     silo_keys: tuple,
     participating: jax.Array | None = None,
+    *,
+    step_silos: Any = step_groups,
 ) -> tuple[Any, tuple, Any]:
     """
     One round over silos in groups of equal structure.
@@ -62,6 +102,8 @@ def group_round(
     :param jax.Array server_key: the round's server key.
     :param tuple silo_keys: per group, its silos' keys stacked.
     :param jax.Array participating: optional ``(J,)`` booleans (default: all).
+    :param step_silos: how the groups are stepped, as :func:`step_groups` (the
+        sharded runtime spreads them over devices).
     :return: ``(server_state, silo_states, info)``, the states grouped as given.
     """
     num_silos = sum(len(g) for g in groups)
@@ -69,29 +111,22 @@ def group_round(
         algorithm, server_state, server_key, num_silos, participating
     )
     message = algorithm.server_message(server_state, server_key)
-    replies, states = [], []
-    for group, state, data, keys in zip(
-        groups, silo_states, silo_data, silo_keys, strict=True
-    ):
-        rows = np.asarray(group)
-        routed = jax.tree.map(lambda x, rows=rows: x[rows], message.routed)
-        if len(group) == 1:
-            reply, new = algorithm.silo_step(
-                Message(message.broadcast, take(routed, 0)),
-                take(state, 0),
-                take(data, 0),
-                keys[0],
-            )
-            reply, new = stack([reply]), stack([new])
-        else:
-            reply, new = jax.vmap(
-                algorithm.silo_step, in_axes=(Message(None, 0), 0, 0, 0)
-            )(Message(message.broadcast, routed), state, data, keys)
-        if contacted is not None:
-            new = rows_where(contacted[rows], new, state)
-        replies.append(reply)
-        states.append(new)
-    order = np.argsort(np.concatenate([np.asarray(g) for g in groups]))
+    rows = [np.asarray(g) for g in groups]
+    routed = tuple(jax.tree.map(lambda x, r=r: x[r], message.routed) for r in rows)
+    replies, states = step_silos(
+        algorithm.silo_step,
+        message.broadcast,
+        routed,
+        tuple(silo_states),
+        tuple(silo_data),
+        tuple(silo_keys),
+    )
+    if contacted is not None:
+        states = [
+            rows_where(contacted[r], new, old)
+            for r, new, old in zip(rows, states, silo_states, strict=True)
+        ]
+    order = np.argsort(np.concatenate(rows))
     replies = jax.tree.map(lambda *xs: jnp.concatenate(xs)[order], *replies)
     if contacted is None:
         contacted = jnp.ones((num_silos,), bool)

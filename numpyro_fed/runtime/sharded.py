@@ -7,7 +7,9 @@ The silos' states, data, keys and routed messages are split along the mesh axis
 under :func:`jax.vmap`, and the replies are gathered to every device, where the
 server side (``select``, ``server_message``, ``server_step``) runs replicated. The
 result is :func:`~numpyro_fed.runtime.simulate.simulate_round`'s, to float
-tolerance. It works for any :class:`~numpyro_fed.FederatedAlgorithm`."""
+tolerance. It works for any :class:`~numpyro_fed.FederatedAlgorithm`; silos of
+different structure, in groups, go through :func:`sharded_group_round` (each device
+steps its own groups)."""
 
 from functools import partial
 from typing import Any
@@ -17,9 +19,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from numpyro_fed.protocol import FederatedAlgorithm, Message, SiloData, vmap_silos
+from numpyro_fed.runtime.groups import group_round, step_group, step_groups
 from numpyro_fed.runtime.simulate import simulate_round
+from numpyro_fed.util import zeros_like_shapes
 
-__all__ = ["SILO_AXIS", "sharded_round", "silo_mesh"]
+__all__ = ["SILO_AXIS", "sharded_group_round", "sharded_round", "silo_mesh"]
 
 #: The name of the mesh axis the silos are sharded along.
 SILO_AXIS = "silos"
@@ -169,3 +173,88 @@ def _sharded_silos(mesh: Mesh, silo_step, message: Message, states, data, keys):
         *_pad_rows((message.routed, states, data, keys), num_silos, padded),
     )
     return jax.tree.map(lambda x: x[:num_silos], (replies, new_states))
+
+
+def sharded_group_round(
+    algorithm: FederatedAlgorithm,
+    mesh: Mesh,
+    groups: tuple,
+    server_state: Any,
+    silo_states: tuple,
+    silo_data: tuple,
+    server_key: jax.Array,
+    silo_keys: tuple,
+    participating: jax.Array | None = None,
+) -> tuple[Any, tuple, Any]:
+    """
+    One round over silos in groups of equal structure, the groups spread over
+    ``mesh``'s ``"silos"`` axis: :func:`~numpyro_fed.runtime.groups.group_round`'s
+    contract and return value, with the mesh after the algorithm.
+
+    Group ``g`` is stepped on device ``g mod D`` only (as in ``group_round``: a
+    group of one called as it is, a larger one vmapped); silos of different
+    structure cannot share one SPMD program, so each device runs its own branch of
+    a :func:`jax.lax.switch` on its mesh index, with every input replicated, and
+    each group's replies and states are then read from the device that owns it. The
+    server side runs replicated. Fewer groups than devices leave devices idle.
+
+    :param jax.sharding.Mesh mesh: a mesh with an axis named ``"silos"``
+        (:func:`silo_mesh`); other axes are not used.
+    """
+    _num_shards(mesh)  # a mesh without a "silos" axis is refused before any work
+    return group_round(
+        algorithm,
+        groups,
+        server_state,
+        silo_states,
+        silo_data,
+        server_key,
+        silo_keys,
+        participating,
+        step_silos=partial(_sharded_groups, mesh),
+    )
+
+
+def _sharded_groups(mesh: Mesh, silo_step, broadcast, routed, states, data, keys):
+    """:func:`~numpyro_fed.runtime.groups.step_groups` with group ``g`` stepped on
+    device ``g mod D`` only."""
+    shards = _num_shards(mesh)
+    owner = [g % shards for g in range(len(states))]
+    args = (broadcast, routed, states, data, keys)
+    # what a device returns for a group it does not own: zeros for the replies
+    # (read from the owner, never from here) and the states as they came
+    replies_shape = jax.eval_shape(lambda *a: step_groups(silo_step, *a)[0], *args)
+
+    def branch(device: int):
+        def run(broadcast, routed, states, data, keys):
+            replies, new = [], []
+            for g, owned in enumerate(owner):
+                if owned == device:
+                    reply, state = step_group(
+                        silo_step, broadcast, routed[g], states[g], data[g], keys[g]
+                    )
+                else:
+                    reply, state = zeros_like_shapes(replies_shape[g]), states[g]
+                replies.append(reply)
+                new.append(state)
+            # a leading device axis: row d is device d's
+            return jax.tree.map(lambda x: x[None], (replies, new))
+
+        return run
+
+    def device_side(*args):
+        index = jax.lax.axis_index(SILO_AXIS)
+        return jax.lax.switch(index, [branch(d) for d in range(shards)], *args)
+
+    replies, new = jax.shard_map(
+        device_side,
+        mesh=mesh,
+        in_specs=PartitionSpec(),
+        out_specs=PartitionSpec(SILO_AXIS),
+        check_vma=False,  # as _sharded_silos: the algorithm knows nothing of the mesh
+    )(*args)
+    pick = [lambda x, d=d: x[d] for d in owner]
+    return (
+        [jax.tree.map(f, r) for f, r in zip(pick, replies, strict=True)],
+        [jax.tree.map(f, s) for f, s in zip(pick, new, strict=True)],
+    )

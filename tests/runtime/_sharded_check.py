@@ -26,9 +26,16 @@ from numpyro_fed.protocol import (
     SiloData,
     silo_data_of,
 )
-from numpyro_fed.runtime import sharded_round, silo_mesh, simulate_round
+from numpyro_fed.runtime import (
+    sharded_group_round,
+    sharded_round,
+    silo_mesh,
+    simulate_round,
+)
+from numpyro_fed.runtime.groups import group_round, stack_groups
 from tests import _models as m
-from tests.algorithms.test_contract import CASES, GROUPED
+from tests.algorithms.test_contract import CASES, GROUPED, silo_list
+from tests.vertical import _fixtures as fx
 
 TOLERANCE = {"rtol": 1e-10, "atol": 1e-12}
 #: Silo 1 is out: the runtime's participation, on top of the algorithm's select.
@@ -90,6 +97,48 @@ def toy_case():
     return toy(num_silos), data, jax.random.key(4), keys
 
 
+def grouped_toy(num_silos: int) -> FederatedAlgorithm:
+    """:func:`toy` for silos of different structure: a silo's state and data have
+    as many coordinates as its data have columns, and a typed key."""
+
+    def silo_step(message, state, data, key):
+        x = jnp.where(data.mask[:, None], data.arrays["x"], 0.0)
+        key, noise = jax.random.split(state["key"])
+        w = state["w"] + message.broadcast * jnp.sum(x, 0) + message.routed
+        reply = jnp.sum(w**2) + jax.random.normal(noise) + jax.random.normal(key)
+        return reply, {"w": w, "key": key, "n": state["n"] + 1}
+
+    def init_silo(key, data):
+        width = data.arrays["x"].shape[-1]
+        return {"w": jnp.zeros(width), "key": key, "n": jnp.zeros((), jnp.int32)}
+
+    base = toy(num_silos)
+    return base._replace(init_silo=init_silo, silo_step=silo_step)
+
+
+def grouped_toy_case(widths: tuple, groups: tuple):
+    """:func:`grouped_toy` on silos in ``groups``, group ``g``'s data ``widths[g]``
+    columns wide; returns ``(algorithm, groups, args)``, the states initialized."""
+    num_silos = sum(len(g) for g in groups)
+    per_silo: list = [None] * num_silos
+    for width, group in zip(widths, groups, strict=True):
+        for j in group:
+            x = jnp.arange(4.0 * width).reshape(4, width) / (j + 1)
+            per_silo[j] = SiloData({"x": x}, jnp.arange(4) < 2 + j % 3, jnp.arange(4))
+    algorithm = grouped_toy(num_silos)
+    keys = list(jax.random.split(jax.random.key(2), num_silos))
+    init = list(jax.random.split(jax.random.key(1), num_silos))
+    states = [algorithm.init_silo(k, d) for k, d in zip(init, per_silo, strict=True)]
+    args = (
+        algorithm.init_server(jax.random.key(0)),
+        stack_groups(states, groups),
+        stack_groups(per_silo, groups),
+        jax.random.key(4),
+        stack_groups(keys, groups),
+    )
+    return algorithm, groups, args
+
+
 def _prepared(name):
     if name == "toy":
         algorithm, silo_data, server_key, silo_keys = toy_case()
@@ -120,6 +169,96 @@ def check_cases(mesh, names) -> None:
         text = sharded.lower(*args).compile().as_text()
         assert "all-gather" in text, name
         print(f"{name}: sharded == simulated", flush=True)
+
+
+def key_data(tree):
+    """``tree`` with its typed keys as their data, to compare them."""
+
+    def data(x):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.key_data(x)
+        return x
+
+    return jax.tree.map(data, tree)
+
+
+#: ``(widths, groups)``: 3 groups (fewer than 4 devices; silo order interleaved) and
+#: 6 (more: devices 0 and 1 own two each).
+GROUPINGS = (
+    ((2, 3, 1), ((0, 3), (1,), (2, 4, 5))),
+    ((1, 2, 3, 1, 2, 4), ((0,), (1,), (2, 6), (3,), (4,), (5,))),
+)
+
+
+def check_grouped(mesh, everything: bool) -> None:
+    """:func:`~numpyro_fed.runtime.sharded_group_round` on silos of different
+    structure equals :func:`~numpyro_fed.runtime.groups.group_round` exactly (typed
+    keys in the states included), with some silos out (and, with ``everything``,
+    with every silo)."""
+    for widths, groups in GROUPINGS:
+        algorithm, groups, args = grouped_toy_case(widths, groups)
+        grouped = jax.jit(partial(group_round, algorithm, groups))
+        sharded = jax.jit(partial(sharded_group_round, algorithm, mesh, groups))
+        out = jnp.arange(sum(map(len, groups))) % 3 == 1
+        for participating in (~out, None) if everything else (~out,):
+            expected, got = grouped(*args, participating), sharded(*args, participating)
+            assert jax.tree.structure(got) == jax.tree.structure(expected)
+            leaves = map(jax.tree.leaves, key_data((got, expected)))
+            for x, y in zip(*leaves, strict=True):
+                assert x.dtype == y.dtype and jnp.array_equal(x, y), (groups, x, y)
+        print(f"{len(groups)} groups: sharded == grouped", flush=True)
+
+
+def check_grouped_cases(mesh, names) -> None:
+    """The contract cases whose silos differ in structure, as
+    :func:`check_grouped` (to float tolerance)."""
+    for name in names:
+        case = CASES[name]()
+        algorithm, per_silo = case.algorithm, silo_list(case)
+        keys = jax.random.split(jax.random.key(1), len(per_silo))
+        init = jax.jit(algorithm.init_silo)
+        states = [init(k, d) for k, d in zip(keys, per_silo, strict=True)]
+        args = (
+            jax.jit(algorithm.init_server)(jax.random.key(0)),
+            stack_groups(states, case.groups),
+            stack_groups(per_silo, case.groups),
+            case.server_key,
+            stack_groups(list(case.silo_keys), case.groups),
+        )
+        grouped = jax.jit(partial(group_round, algorithm, case.groups))
+        sharded = jax.jit(partial(sharded_group_round, algorithm, mesh, case.groups))
+        for participating in (None, PARTICIPATING):
+            expected, got = grouped(*args, participating), sharded(*args, participating)
+            m.tree_allclose(key_data(got), key_data(expected), **TOLERANCE)
+        print(f"{name}: sharded == grouped", flush=True)
+
+
+def check_vertical(kinds) -> None:
+    """``VerticalSFVI(runtime="sharded").run`` equals ``runtime="simulate"``: the
+    three equal parties of the Gaussian fixture (grouped, and one by one) and the
+    two ragged ones of the rich fixture."""
+    cases = {
+        "gaussian": (fx.gaussian_model(), fx.gaussian_data(n=12), optax.adam(0.05)),
+        "rich": (fx.rich_model, fx.rich_data(), optax.adam(0.02)),
+    }
+    for kind in kinds:
+        name, vmap_parties = kind.split("-")[0], not kind.endswith("-loop")
+        model, data, optim = cases[name]
+        runs = [
+            nf.VerticalSFVI(
+                nf.augment(model, fx.RHO),
+                nf.VerticalFamily(),
+                optim,
+                runtime=runtime,
+                vmap_parties=vmap_parties,
+            )
+            for runtime in ("simulate", "sharded")
+        ]
+        results = [v.run(jax.random.key(3), 5, data, progress_bar=False) for v in runs]
+        assert runs[0].party_groups == runs[1].party_groups, kind
+        m.tree_allclose(results[1].state, results[0].state, **TOLERANCE)
+        np.testing.assert_allclose(results[1].losses, results[0].losses, **TOLERANCE)
+        print(f"VerticalSFVI {kind} {runs[1].party_groups}: sharded == simulate")
 
 
 def check_second_round_compiles_nothing(mesh) -> None:
@@ -169,10 +308,13 @@ def main(everything: bool) -> None:
     mesh = silo_mesh()
     assert mesh.shape == {"silos": 4}, mesh
     check_second_round_compiles_nothing(mesh)
+    check_grouped(mesh, everything)
     if everything:
-        # silos of different structure cannot be sharded along one silo axis
+        # silos of different structure go through sharded_group_round
         check_cases(mesh, ["toy"] + sorted(set(CASES) - GROUPED))
+        check_grouped_cases(mesh, sorted(GROUPED))
         check_driver(["SFVI", "PVI"])
+        check_vertical(["gaussian", "gaussian-loop", "rich"])
     else:
         check_cases(mesh, ["toy"])
         check_driver(["SFVI"])

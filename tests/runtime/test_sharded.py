@@ -6,6 +6,7 @@ jax fixes its device count when it starts, and this process has started it with 
 CPU device, so the comparisons on 4 host devices (3 silos: one inert silo of
 padding) run in one fresh process, ``tests/runtime/_sharded_check.py``."""
 
+from functools import partial
 import os
 import pathlib
 import subprocess
@@ -17,9 +18,20 @@ import optax
 import pytest
 
 import numpyro_fed as nf
-from numpyro_fed.runtime import sharded_round, silo_mesh, simulate_round
+from numpyro_fed.runtime import (
+    sharded_group_round,
+    sharded_round,
+    silo_mesh,
+    simulate_round,
+)
+from numpyro_fed.runtime.groups import group_round
 from tests import _models as m
-from tests.runtime._sharded_check import toy_case
+from tests.runtime._sharded_check import (
+    GROUPINGS,
+    grouped_toy_case,
+    key_data,
+    toy_case,
+)
 from tests.vertical import _fixtures as fx
 
 ROOT = pathlib.Path(__file__).parents[2]
@@ -76,8 +88,44 @@ def test_mesh_errors():
         sharded_round(algorithm, mesh, None, None, silo_data, server_key, silo_keys)
 
 
-def test_vertical_sfvi_refuses_sharded():
-    """Its parties differ in structure: one SPMD program cannot step them."""
+def test_one_device_grouped_equals_group_round():
+    """Silos of different structure (3 groups, typed keys in the states), with silos
+    out: the sharded grouped round is the grouped round, bit for bit."""
+    algorithm, groups, args = grouped_toy_case(*GROUPINGS[0])
+    participating = jnp.array([1, 0, 1, 1, 1, 0], bool)
+    expected = jax.jit(partial(group_round, algorithm, groups))(*args, participating)
+    sharded = partial(sharded_group_round, algorithm, silo_mesh(1), groups)
+    got = jax.jit(sharded)(*args, participating)
+    assert jax.tree.structure(got) == jax.tree.structure(expected)
+    for x, y in zip(*map(jax.tree.leaves, key_data((got, expected))), strict=True):
+        assert x.dtype == y.dtype and jnp.array_equal(x, y)
+    # silo 1 was out: its state (its key included) is the one it came with
+    kept = zip(*map(jax.tree.leaves, key_data((got[1][1], args[1][1]))), strict=True)
+    assert all(jnp.array_equal(x, y) for x, y in kept)
+
+
+def test_vertical_sfvi_takes_sharded():
+    """Its parties are silos of different structure: the runtime steps each
+    device's groups (runs: ``_sharded_check.py --all`` on 4 devices, and the slow
+    test below)."""
     aug = nf.augment(fx.gaussian_model(), fx.RHO)
-    with pytest.raises(NotImplementedError, match="different structure"):
-        nf.VerticalSFVI(aug, nf.VerticalFamily(), optax.adam(0.01), runtime="sharded")
+    vfl = nf.VerticalSFVI(aug, nf.VerticalFamily(), optax.adam(0.01), runtime="sharded")
+    assert vfl.runtime == "sharded"
+    with pytest.raises(ValueError, match="runtime must be 'simulate', 'sequential'"):
+        nf.VerticalSFVI(aug, nf.VerticalFamily(), optax.adam(0.01), runtime="vmap")
+
+
+@pytest.mark.slow
+def test_one_device_vertical_sfvi_update_equals_simulate():
+    """A round of ``VerticalSFVI(runtime="sharded")`` on one device, from the
+    simulated run's state (its three equal parties in one vmapped group)."""
+    aug = nf.augment(fx.gaussian_model(), fx.RHO)
+    data = fx.gaussian_data(n=12)
+    sim = nf.VerticalSFVI(aug, nf.VerticalFamily(), optax.adam(0.05))
+    state = sim.init(jax.random.key(3), data)
+    sharded = nf.VerticalSFVI(
+        aug, nf.VerticalFamily(), optax.adam(0.05), runtime="sharded"
+    )
+    got = sharded.update_with_info(state, data)
+    assert sharded.party_groups == sim.party_groups == (("a", "b", "c"),)
+    m.tree_allclose(got, sim.update_with_info(state, data), rtol=1e-10, atol=1e-12)
