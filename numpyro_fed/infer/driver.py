@@ -17,6 +17,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 from jax import lax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 
 from numpyro_fed.checks import (
     check_count,
@@ -82,7 +83,8 @@ class Driver:
         ``max_staleness > 0`` silos read messages up to that many updates old: the
         asynchronous schedule). ``"sharded"`` is ``"simulate"`` with the silos spread
         over all local devices (:func:`~numpyro_fed.runtime.sharded_round`; the
-        server side runs replicated).
+        server side runs replicated; silos of different structure, as vertical
+        SFVI's parties, by group: :func:`~numpyro_fed.runtime.sharded_group_round`).
     :param float participation: fraction of silos taking part in each round, drawn
         uniformly at random.
     :param str order: ``"cyclic"`` or ``"random"`` visiting order (events runtime).
@@ -463,6 +465,8 @@ class Driver:
             everyone = jnp.ones((data.num_silos,), bool)  # shapes only
             record = jax.eval_shape(lambda s: step(s, participating=everyone)[1], state)
             state, past, done = saver.load(state, record, num_steps)
+        if self.runtime == "sharded":  # placed as its rounds return it: one compile
+            state = jax.device_put(state, NamedSharding(silo_mesh(), PartitionSpec()))
         scan = not progress_bar and self.runtime != "sequential"
         state, history = run_rounds(
             step_fn,

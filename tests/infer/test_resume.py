@@ -55,6 +55,7 @@ CASES = {  # name: (class, runtime options, progress_bar)
     "sfvi-sequential": ("SFVI", {"runtime": "sequential", "participation": 0.5}, True),
     "sfvi-events-loop": ("SFVI", {"runtime": "events", "order": "random"}, True),
     "sfvi-events-scan": ("SFVI", {"runtime": "events", "max_staleness": 1}, False),
+    "sfvi-sharded-loop": ("SFVI", {"runtime": "sharded", "participation": 0.5}, True),
     "pvi-simulate-loop": ("PVI", {}, True),
     "pvi-sequential-scan": ("PVI", {"schedule": "sequential"}, False),
 }
