@@ -308,13 +308,13 @@ class VerticalSFVI(Driver):
 
     def _round_fn(self, algorithm, groups: tuple) -> Callable:
         phases = num_phases(self._bound.kind)
-        step = partial(group_round, algorithm)
-        if self.runtime == "sharded":
-            step = partial(sharded_group_round, algorithm, silo_mesh())
         if self.runtime == "sequential":
             algorithm = jit_algorithm(algorithm)
             if self.record_messages:
                 algorithm = recording(algorithm, self._bound.kind, self.messages)
+        step = partial(group_round, algorithm)
+        if self.runtime == "sharded":
+            step = partial(sharded_group_round, algorithm, silo_mesh())
 
         def round_fn(server, silos, data, server_key, silo_keys, participating):
             keys = tuple(silo_keys[np.asarray(g)] for g in groups)
