@@ -122,6 +122,7 @@ def sfvi(
     stl: bool = True,
     report_elbo: bool = True,
     padded: bool = True,
+    end_to_end: bool | None = None,
 ) -> FederatedAlgorithm:
     """
     Build SFVI's pure functions (Hassan et al., Algorithm 1).
@@ -139,6 +140,13 @@ def sfvi(
     :param bool report_elbo: silos send their scalar ELBO term (for the loss trace).
     :param bool padded: some silos carry padded units that must be masked out;
         ``False`` (every silo full) skips the masking.
+    :param end_to_end: on CPU, compute the simulated round's silo terms on all the
+        silos' units laid end to end (the centralized step's array layout, which
+        XLA:CPU runs several times faster than the vmapped one), where the guide's
+        local factors are per unit and no nested plate is ragged; the round is then
+        taken again silo by silo only when a sum is not finite. ``None`` (default):
+        when the silos hold at least 256 units in all and more than one each (else
+        the layout gains nothing and the second path only adds compile time).
     :return: the algorithm.
     :rtype: FederatedAlgorithm
     """
@@ -285,7 +293,11 @@ def sfvi(
             sent.eta_global,
         )
         operands = (shared, states, data, keys, contacted)
-        if guide.units_separable and not data.nested:
+        # One unit a silo is already the end-to-end layout; a few hundred units
+        # in all are too few for the layout to matter.
+        auto = data.mask.shape[1] > 1 and data.mask.size >= 256
+        wanted = auto if end_to_end is None else end_to_end
+        if wanted and guide.units_separable and not data.nested:
             # On CPU all units at once (a branch; accelerators run silo by silo).
             used, elbo, g_total, new_states = jax.lax.platform_dependent(
                 *operands, cpu=all_at_once, default=silo_by_silo
