@@ -70,7 +70,9 @@ def scanned(step, length):
 
 def flops(step, state):
     """XLA's count of floating-point operations of one compiled ``step(state)`` (a
-    conditional counts as its costlier branch)."""
+    conditional counts as its costlier branch: on CPU the summed round's count holds
+    its units-end-to-end path and the silo-by-silo path it falls back to when a sum
+    is not finite)."""
     cost = jax.jit(step).lower(state).compile().cost_analysis()
     return float((cost[0] if isinstance(cost, list) else cost)["flops"])
 
@@ -146,7 +148,8 @@ def main(args):
     ]
     print("SFVI round / NumPyro SVI step; 'summed': the default simulated round")
     print("(replies summed in one pull-back), 'per silo': one reply per silo;")
-    print("'flops': XLA's count, summed round / SVI step; 'load': 1-minute average")
+    print("'flops': XLA's count, summed round (with its fallback branch) / SVI step;")
+    print("'load': 1-minute average")
     print(
         f"{'guide':>10} {'J':>6} {'SVI step ms':>12} {'summed':>7} {'per silo':>9} "
         f"{'scan: summed':>13} {'per silo':>9} {'flops':>6} {'load':>5}"

@@ -78,6 +78,7 @@ def silo_terms(
     stop: Callable = lambda x: x,
     padded: bool = True,
     observed_fn: Callable | None = None,
+    noise: jax.Array | None = None,
 ) -> SiloTerms:
     """One silo's terms at one global draw; its local latents are drawn here from
     the silo's own ``key`` (and its units' pooled ids, so any partition of units
@@ -93,6 +94,8 @@ def silo_terms(
         :math:`\\log q` (``jax.lax.stop_gradient``: sticking the landing).
     :param bool padded: mask padded units out.
     :param callable observed_fn: a robust loss on each observation's log-likelihood.
+    :param jax.Array noise: the units' local noise, if already drawn (``key`` is
+        then unused).
     """
     values = dict(draw.values)
     log_q = jnp.zeros(())
@@ -105,7 +108,9 @@ def silo_terms(
         # draws (an inverse-erf polynomial) and the local sample inside each
         # consumer, once per entry of the nested plates they are broadcast over;
         # materialized once, a round costs up to 40 % less (identity on values).
-        noise = jax.lax.optimization_barrier(guide.local_noise(key, data.unit_ids))
+        if noise is None:
+            noise = guide.local_noise(key, data.unit_ids)
+        noise = jax.lax.optimization_barrier(noise)
         z_local = jax.lax.optimization_barrier(
             guide.sample_local(eta_global, eta_local, draw.z, noise)
         )

@@ -225,6 +225,11 @@ class AutoAmortized(AutoGlobalLocalNormal):
             )
         return eta
 
+    @property
+    def units_separable(self) -> bool:
+        """``False``: a private encoder is one silo's, not one unit's."""
+        return self.shared
+
     # ------------------------------------------------------ sampling, density
     def _loc_scale(self, eta_g: dict, eta_l: dict):
         inputs = jax.lax.stop_gradient(eta_l["inputs"])

@@ -281,6 +281,14 @@ class AutoGlobalLocalNormal(AutoGuide):
             eta["silo_tril"] = jnp.zeros((units * n, units * n), loc.dtype)
         return eta
 
+    @property
+    def units_separable(self) -> bool:
+        """Whether every local parameter and noise draw belongs to one unit (units
+        along axis 0, no factor across units): then all silos' units laid end to end
+        give the same local terms as each silo's own (``local_cov="silo"`` ties a
+        silo's units together)."""
+        return self.local_cov != "silo"
+
     def num_units(self, eta_l: dict) -> int:
         """Units of the silo plate held by one silo's local parameters ``eta_l``."""
         return eta_l["loc"].shape[0]

@@ -430,6 +430,38 @@ def test_server_update_is_symmetric_in_silos():
     m.tree_allclose(a, b, rtol=1e-12)
 
 
+def test_units_end_to_end_equal_silo_by_silo():
+    """On CPU the summed round can compute the silos' terms on all their units laid
+    end to end: with padded silos, a key of its own per silo, two particles and a
+    silo not contacted, it equals the round stepped silo by silo, to rounding; with
+    a silo's data not finite, it is taken again silo by silo and leaves that silo
+    out."""
+    fed, guide, _, data = _setup("hierarchical", 3)
+    guide.setup(data)
+    template = data_template(data.silo(0))
+    algorithm = nf.sfvi(
+        fed, guide, optax.adam(0.05), template, num_particles=2, end_to_end=True
+    )
+    server = jax.jit(algorithm.init_server)(jax.random.key(3))
+    silos = jax.jit(jax.vmap(algorithm.init_silo))(
+        jax.random.split(jax.random.key(4), data.num_silos), silo_data_of(data)
+    )
+    silo_keys = jax.vmap(lambda k: noise_keys(k, 2))(
+        jax.random.split(jax.random.key(5), data.num_silos)
+    )
+    silo_data = silo_data_of(data)
+    y = silo_data.arrays["y"].at[1].set(jnp.nan)
+    bad = silo_data._replace(arrays={**silo_data.arrays, "y": y})
+    keys = noise_keys(jax.random.key(1), 2)
+    summed = jax.jit(partial(simulate_round, algorithm))
+    per_silo = jax.jit(partial(simulate_round, algorithm, reduce=False))
+    every = jnp.ones(3, bool)
+    for data, contacted in ((silo_data, every.at[1].set(False)), (bad, every)):
+        args = (server, silos, data, keys, silo_keys, contacted)
+        m.tree_allclose(summed(*args), per_silo(*args), rtol=1e-12, atol=1e-14)
+    assert summed(*args)[2].rejected.tolist() == [False, True, False]
+
+
 def test_non_finite_silo_message_is_rejected():
     """A silo whose state went bad sends NaN gradients: the server drops that message,
     counts it, and updates from the others."""
