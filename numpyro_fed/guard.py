@@ -53,6 +53,7 @@ __all__ = [
     "guard_nonfinite",
     "guarded_sum",
     "rejection_counts",
+    "sums_finite",
 ]
 
 
@@ -175,18 +176,26 @@ def guarded_sum(
         return contacted, total
 
     def branch(total: Any) -> tuple[jax.Array, Any]:
-        # One reduction per leaf decides; the branches return only (J,) booleans
-        # and the small total, so the selection below still fuses with the step.
-        sums = [
-            jnp.sum(x)
-            for x in jax.tree.leaves(new_states)
-            if jnp.issubdtype(x.dtype, jnp.inexact)
-        ]
-        finite = all_finite((total, sums))
+        # The branches return only (J,) booleans and the small total, so the
+        # selection below still fuses with the step.
+        finite = sums_finite(total, new_states)
         return jax.lax.cond(finite, all_contacted, per_silo, total)
 
     used, total = jax.lax.platform_dependent(total, cpu=branch, default=per_silo)
     return used, total, rows_where(used, new_states, states)
+
+
+def sums_finite(total: Any, new_states: Any) -> jax.Array:
+    """Whether the summed replies ``total`` and the sum of each floating leaf of the
+    silos' ``new_states`` are all finite: one reduction per leaf, which passes every
+    silo that is finite (a NaN or an infinity anywhere makes its sum so; a finite
+    sum that overflows sends the caller to its per-silo checks, which are exact)."""
+    sums = [
+        jnp.sum(x)
+        for x in jax.tree.leaves(new_states)
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    return all_finite((total, sums))
 
 
 def _nan_like(tree: Any) -> Any:

@@ -25,7 +25,7 @@ from numpyro_fed.elbo import (
     server_terms,
     silo_terms,
 )
-from numpyro_fed.guard import guard_nonfinite, guarded_sum
+from numpyro_fed.guard import guard_nonfinite, guarded_sum, sums_finite
 from numpyro_fed.protocol import (
     FederatedAlgorithm,
     Message,
@@ -34,7 +34,6 @@ from numpyro_fed.protocol import (
     reply_sum,
 )
 from numpyro_fed.util import (
-    all_finite,
     ascent,
     constrain,
     rows_where,
@@ -175,6 +174,15 @@ def sfvi(
         draws = jax.vmap(lambda e: draw_global(guide, eta_g, e))(eps)
         return constrain(theta_constraints, theta_u), eta_g, draws
 
+    def particle_mean(particle, draws, keys):
+        """``particle(draw, key)`` averaged over the particles (the leading axis of
+        ``draws`` and ``keys``)."""
+        if num_particles == 1:
+            # Without the particle vmap's unit axis XLA's CPU loops run over one
+            # fewer dimension of every (silo, unit, ...) array: a faster round.
+            return particle(jax.tree.map(lambda x: x[0], draws), keys[0])
+        return jnp.mean(jax.vmap(particle)(draws, keys))
+
     def silo_value(shared, eta_l_u, keys, data: SiloData):
         """The silo's ELBO term, averaged over the particles."""
         theta, eta_g, draws = shared
@@ -187,11 +195,7 @@ def sfvi(
             )  # fmt: skip
             return terms.log_p - terms.log_q
 
-        if num_particles == 1:
-            # Without the particle vmap's unit axis XLA's CPU loops run over one
-            # fewer dimension of every (silo, unit, ...) array: a faster round.
-            return particle(jax.tree.map(lambda x: x[0], draws), keys[0])
-        return jnp.mean(jax.vmap(particle)(draws, keys))
+        return particle_mean(particle, draws, keys)
 
     def silo_objective(theta_u, eta_g_u, eta_l_u, eps, keys, data):
         return silo_value(shared_values(theta_u, eta_g_u, eps), eta_l_u, keys, data)
@@ -239,17 +243,16 @@ def sfvi(
         )
         eta_l = constrain(local_constraints, jax.tree.map(end_to_end, eta_l_u))
 
-        def particle(draw, k):
-            noise = jax.vmap(guide.local_noise)(keys[:, k], data.unit_ids)
+        def particle(draw, silo_keys):
+            noise = jax.vmap(guide.local_noise)(silo_keys, data.unit_ids)
             terms = silo_terms(
                 model, guide, draw, theta, eta_g, eta_l, None, units,
                 stop=stop, noise=end_to_end(noise),
             )  # fmt: skip
             return terms.log_p - terms.log_q
 
-        if num_particles == 1:
-            return particle(jax.tree.map(lambda x: x[0], draws), 0)
-        return jnp.mean(jax.vmap(particle)(draws, jnp.arange(num_particles)))
+        # keys: (J, particles); each particle takes every silo's key of its own
+        return particle_mean(particle, draws, jnp.swapaxes(keys, 0, 1))
 
     def silo_by_silo(shared, states: SFVISiloState, data, keys, contacted):
         each = jax.vmap(
@@ -269,13 +272,8 @@ def sfvi(
         stepped = jax.vmap(local_ascent, axis_size=contacted.shape[0])(g_eta_l, states)
         # The guard's silo rule as guarded_sum keeps it: finite sums pass every
         # contacted silo; otherwise the round is taken again silo by silo.
-        sums = [
-            jnp.sum(x)
-            for x in jax.tree.leaves(stepped)
-            if jnp.issubdtype(x.dtype, jnp.inexact)
-        ]
         return jax.lax.cond(
-            all_finite((elbo, g_total, sums)),
+            sums_finite((elbo, g_total), stepped),
             lambda: (contacted, elbo, g_total, rows_where(contacted, stepped, states)),
             lambda: silo_by_silo(shared, states, data, keys, contacted),
         )
