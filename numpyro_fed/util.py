@@ -5,7 +5,9 @@
 from typing import Any
 
 import jax
+from jax.extend.random import threefry2x32_p
 import jax.numpy as jnp
+import numpy as np
 from numpyro.distributions import biject_to
 import optax
 
@@ -18,6 +20,7 @@ __all__ = [
     "take",
     "tree_where",
     "unconstrain",
+    "unit_normals",
     "zeros_like_shapes",
 ]
 
@@ -80,3 +83,57 @@ def constrain(constraints: dict, values: dict) -> dict:
 def unconstrain(constraints: dict, values: dict) -> dict:
     """Map constrained ``values`` to unconstrained space."""
     return {k: biject_to(constraints[k]).inv(v) for k, v in values.items()}
+
+
+def _counter_words(unit_ids: jax.Array, dim: int) -> tuple[jax.Array, jax.Array]:
+    """The 64-bit threefry counters ``unit_ids * dim + k``, ``k < dim``, as (high,
+    low) 32-bit words: exact for any int32 id and ``dim < 2**16`` (the product
+    leaves 32 bits from ``2**32 / dim`` units on)."""
+    ids = unit_ids.astype(jnp.uint32)
+    k = jnp.arange(dim, dtype=jnp.uint32)
+    d = jnp.uint32(dim)
+    high, low = (ids >> 16) * d, (ids & 0xFFFF) * d  # each < 2**32
+    lo1 = (high << 16) + low
+    lo = lo1 + k
+    carries = (lo1 < low).astype(jnp.uint32) + (lo < lo1).astype(jnp.uint32)
+    return (high >> 16) + carries, lo
+
+
+def unit_normals(key: jax.Array, unit_ids: jax.Array, dim: int) -> jax.Array:
+    """Standard normal rows ``(*unit_ids.shape, dim)``: the row of unit ``u`` is row
+    ``u`` of ``jax.random.normal(key, (n, dim))`` for any ``n`` above the largest id,
+    so a unit draws the same noise whichever silo holds it, and only the rows asked
+    for are drawn (one threefry block an entry, as the pooled draw spends).
+
+    The counters and the bits-to-normal map are JAX's own for its default
+    (partitionable) threefry: entry ``(u, k)`` is counter ``u * dim + k``.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> import jax, jax.numpy as jnp
+        >>> from numpyro_fed.util import unit_normals
+        >>> key = jax.random.key(0)
+        >>> rows = unit_normals(key, jnp.array([3, 0]), 2)
+        >>> bool(jnp.all(rows == jax.random.normal(key, (4, 2))[jnp.array([3, 0])]))
+        True
+    """
+    dtype = jnp.zeros((), float).dtype
+    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+        key = jax.random.key_data(key)
+    hi, lo = _counter_words(jnp.asarray(unit_ids)[..., None], dim)
+    k1, k2 = (jnp.broadcast_to(word, hi.shape) for word in key)
+    b1, b2 = threefry2x32_p.bind(k1, k2, hi, lo)
+    if dtype == jnp.float64:
+        bits = (b1.astype(jnp.uint64) << 32) | b2.astype(jnp.uint64)
+    else:
+        bits = b1 ^ b2
+    finfo = jnp.finfo(dtype)
+    uint = bits.dtype
+    one = np.array(1.0, dtype).view(uint)
+    mantissa = (bits >> np.array(finfo.bits - finfo.nmant, uint)) | one
+    floats = jax.lax.bitcast_convert_type(mantissa, dtype) - np.array(1.0, dtype)
+    low_end = np.nextafter(np.array(-1.0, dtype), np.array(0.0, dtype))
+    u = jnp.maximum(low_end, floats * (np.array(1.0, dtype) - low_end) + low_end)
+    return jnp.sqrt(np.array(2.0, dtype)) * jax.lax.erf_inv(u)

@@ -42,6 +42,7 @@ from numpyro_fed.partition import (
     init_values,
     site_specs,
 )
+from numpyro_fed.util import unit_normals
 
 __all__ = ["AutoMeanField", "AutoGlobalLocalNormal"]
 
@@ -383,13 +384,9 @@ class AutoGlobalLocalNormal(AutoGuide):
 
     def local_noise(self, key: jax.Array, unit_ids: jax.Array) -> jax.Array:
         """:math:`\\epsilon_L` of the given units: unit ``i`` always gets the same draw
-        from the same key, whichever silo holds it."""
-        local_key = jax.random.fold_in(key, 1)
-        return jax.vmap(
-            lambda i: jax.random.normal(
-                jax.random.fold_in(local_key, i), (self.local_dim,)
-            )
-        )(unit_ids)
+        from the same key, whichever silo holds it (row ``i`` of one pooled draw,
+        :func:`~numpyro_fed.util.unit_normals`)."""
+        return unit_normals(jax.random.fold_in(key, 1), unit_ids, self.local_dim)
 
     # ----------------------------------------------------- sampling, densities
     def sample_global(self, eta_g: dict, eps: jax.Array) -> jax.Array:
