@@ -196,8 +196,8 @@ def grad_log_density(nat: GaussianNat, u: jax.Array) -> jax.Array:
     elementwise one for a diagonal factor). With a leading axis on ``nat`` (factors
     stacked by silo), one gradient per factor. :math:`\\Lambda` is symmetric (a
     precision, or a difference of them), so the product is
-    :func:`~numpyro_fed.util.rmatvec`'s :math:`\\Lambda^\\top u`, cheaper for small
-    factors on XLA's CPU backend.
+    :func:`~numpyro_fed.util.rmatvec`'s :math:`\\Lambda^\\top u`, cheaper for a
+    small :math:`\\Lambda` sliced out of a stack on XLA's CPU backend.
 
     **Example:**
 
@@ -210,7 +210,7 @@ def grad_log_density(nat: GaussianNat, u: jax.Array) -> jax.Array:
         [-1.0]
     """
     if is_full(nat):
-        return nat.h - rmatvec(nat.prec, u)
+        return nat.h - rmatvec(nat.prec, u, symmetric=True)
     return nat.h - nat.prec * u
 
 

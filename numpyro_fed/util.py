@@ -42,16 +42,17 @@ def all_finite(tree: Any) -> jax.Array:
 RMATVEC_COLUMN_SUM_MAX = 32
 
 
-def rmatvec(matrix: jax.Array, vector: jax.Array) -> jax.Array:
+def rmatvec(matrix: jax.Array, vector: jax.Array, symmetric: bool = False) -> jax.Array:
     """
     ``matrix^T @ vector`` (scipy's ``rmatvec``), with ``matrix`` of shape
-    ``(..., n, m)`` (leading axes batch) and ``vector`` of shape ``(n,)``; for a
-    symmetric ``matrix`` (a precision) it is ``matrix @ vector``.
+    ``(..., n, m)`` (leading axes batch) and ``vector`` of shape ``(n,)``.
 
     Up to :data:`RMATVEC_COLUMN_SUM_MAX` it sums the rows of ``matrix`` scaled by
     ``vector`` in one fusion of its own (the barrier keeps XLA from inlining the
-    sum, unvectorized, into every element of its consumer), reading a row sliced out
-    of a stack in place; a dot copies it first.
+    sum, unvectorized, into every element of its consumer), reading a matrix sliced
+    out of a stack in place; a dot copies it first. A larger one goes to a dot:
+    ``matrix.T @ vector``, or with ``symmetric=True`` (``matrix`` equals its
+    transpose, e.g. a precision) ``matrix @ vector``, which reads it as stored.
 
     **Example:**
 
@@ -62,9 +63,11 @@ def rmatvec(matrix: jax.Array, vector: jax.Array) -> jax.Array:
         >>> rmatvec(jnp.array([[1.0, 2.0], [3.0, 4.0]]), jnp.array([1.0, 10.0])).tolist()
         [31.0, 42.0]
     """
-    if max(matrix.shape[-2:]) > RMATVEC_COLUMN_SUM_MAX:
-        return jnp.einsum("...ji,j->...i", matrix, vector)
-    return jax.lax.optimization_barrier(jnp.sum(matrix * vector[:, None], -2))
+    if max(matrix.shape[-2:]) <= RMATVEC_COLUMN_SUM_MAX:
+        return jax.lax.optimization_barrier(jnp.sum(matrix * vector[:, None], -2))
+    if symmetric:
+        return jnp.einsum("...ij,j->...i", matrix, vector)
+    return jnp.swapaxes(matrix, -1, -2) @ vector
 
 
 def tree_where(ok: jax.Array, new: Any, old: Any) -> Any:
