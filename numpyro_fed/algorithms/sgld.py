@@ -251,7 +251,8 @@ def conducive_factors(
     :math:`A_s = \alpha(\Lambda - \Lambda_s / f_s)` and
     :math:`b_s = \alpha(h - h_s / f_s)`, where :math:`(h, \Lambda)` is the product
     :math:`q = \prod_k q_k`: one matrix-vector product per step, whatever ``J``
-    (:math:`A_s` is indefinite: a factor, not a density).
+    (:math:`A_s` is indefinite: a factor, not a density; it is made exactly
+    symmetric).
 
     :param GaussianNat surrogates: the :math:`q_s`, stacked by silo.
     :param silo_probs: :math:`f`.
@@ -263,9 +264,12 @@ def conducive_factors(
     q = jax.tree.map(lambda x: jnp.sum(x, 0), s)
     f = jnp.asarray(silo_probs)
     f_prec = f.reshape((-1,) + (1,) * (s.prec.ndim - 1))
-    return GaussianNat(
-        alpha * (q.h - s.h / f[:, None]), alpha * (q.prec - s.prec / f_prec)
-    )
+    prec = alpha * (q.prec - s.prec / f_prec)
+    if prec.ndim == 3:
+        # grad_log_density reads A_s by columns (A_s^T theta): make it exactly
+        # symmetric (a no-op for symmetric surrogates, such as fit_surrogates')
+        prec = 0.5 * (prec + jnp.swapaxes(prec, -1, -2))
+    return GaussianNat(alpha * (q.h - s.h / f[:, None]), prec)
 
 
 def _keys(key: jax.Array, t: jax.Array) -> jax.Array:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from numpyro_fed.expfam import GaussianNat
+from numpyro_fed.util import rmatvec
 
 __all__ = [
     "ConduciveBound",
@@ -112,6 +113,8 @@ def bounded_position(bound: ConduciveBound, theta: jax.Array) -> jax.Array:
     ellipsoid :math:`\\|\\theta_c - \\bar\\theta\\|_\\Lambda \\le r` (unchanged
     inside it)."""
     offset = theta - bound.center
-    whitened = bound.root * offset if bound.root.ndim == 1 else bound.root.T @ offset
+    whitened = (
+        bound.root * offset if bound.root.ndim == 1 else rmatvec(bound.root, offset)
+    )
     distance = jnp.sqrt(jnp.sum(whitened**2))
     return bound.center + jnp.minimum(1.0, bound.radius / distance) * offset

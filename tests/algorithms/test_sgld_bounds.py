@@ -62,6 +62,24 @@ def test_bounded_conducive_term_keeps_zero_mean_and_stops_growing(diagonal):
         np.testing.assert_allclose(g, terms(center + 3 * np.array([7.0, -3.0])))
 
 
+def test_full_conducive_factors_are_exactly_symmetric():
+    """grad_log_density reads A_s by columns (A_s^T theta), so conducive_factors
+    makes A_s its own transpose: unchanged for symmetric surrogates, symmetrized for
+    ones off by round-off."""
+    jax.config.update("jax_enable_x64", True)
+    q = _surrogates(diagonal=False)
+    f = jnp.array([0.2, 0.3, 0.5])
+    prec = np.asarray(q.prec)
+    assert np.array_equal(prec, np.swapaxes(prec, 1, 2))
+    plain = 0.7 * (jnp.sum(q.prec, 0) - q.prec / f[:, None, None])  # unsymmetrized
+    np.testing.assert_array_equal(conducive_factors(q, f, 0.7).prec, plain)
+    skew = prec.copy()
+    skew[:, 0, 1] *= 1 + 1e-12
+    a = np.asarray(conducive_factors(q._replace(prec=jnp.asarray(skew)), f).prec)
+    np.testing.assert_array_equal(a, np.swapaxes(a, 1, 2))
+    np.testing.assert_allclose(a, conducive_factors(q, f).prec, rtol=1e-11)
+
+
 def test_conducive_radius_is_checked():
     def model(y):
         pass
