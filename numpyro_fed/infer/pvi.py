@@ -136,7 +136,8 @@ class PVI(Driver):
     :param float max_rejected: stop when a silo's replies were rejected in more than
         this fraction of its rounds (see :class:`~numpyro_fed.infer.driver.Driver`).
     :param float participation: fraction of silos that take part in a round.
-    :param int num_particles: Monte Carlo draws per local step.
+    :param int num_particles: Monte Carlo draws per local step (unused by the
+        ``"natural"`` solver when ``local_quadrature`` is on).
     :param bool analytic_kl: closed-form KL to the cavity (lower variance).
     :param bool stl: sticking-the-landing gradients for Monte Carlo entropy terms.
     :param str local_solver: ``"natural"`` or ``"adam"``. ``"natural"``: the
