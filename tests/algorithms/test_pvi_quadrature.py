@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import numpyro_fed as nf
+from numpyro_fed import reference
 from numpyro_fed.expfam import standard_sigma_points, to_moments
 from tests import _models as m
 
@@ -75,3 +76,12 @@ def test_local_quadrature_refuses_units_correlated_in_q():
     guide = nf.AutoGlobalLocalNormal(FED, local_cov="silo")
     with pytest.raises(ValueError, match="local_cov='silo'"):
         nf.PVI(FED, guide, local_quadrature=True)
+
+
+def test_local_quadrature_default_is_off_for_many_global_coordinates():
+    """Its cost grows with the global sigma points: item-response theory's 101 keep
+    Monte Carlo draws by default."""
+    post = reference.load("synthetic_item_response_theory")
+    pvi = nf.PVI(post.fed_model, local_steps=1)
+    pvi.init(jax.random.key(0), post.data)
+    assert pvi.guide.global_dim > 50 and not pvi.quadrature()
