@@ -30,8 +30,9 @@ from numpyro_fed.diagnostics import compare, format_compare, to_arviz
 from numpyro_fed.families import AutoAmortized, AutoGlobalLocalNormal, AutoMeanField
 from numpyro_fed.handlers import federate, silo_plate
 from numpyro_fed.infer.driver import FederatedState, RunResult
+from numpyro_fed.infer.fedgvi import FedGVI
 from numpyro_fed.infer.mcmc import DSGLD, FSGLD
-from numpyro_fed.infer.pvi import PVI, FedGVI, InvalidCavity
+from numpyro_fed.infer.pvi import PVI, InvalidCavity
 from numpyro_fed.infer.vertical import VerticalSFVI
 from numpyro_fed.infer.vi import SFVI, SFVIAvg
 

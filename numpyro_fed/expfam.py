@@ -40,11 +40,13 @@ __all__ = [
     "is_full",
     "is_valid",
     "kl",
+    "line_search",
     "log_density",
     "log_normalizer",
     "prior_summary",
     "renyi",
     "sigma_points",
+    "standard_sigma_points",
     "to_loc_scale",
     "to_moments",
 ]
@@ -369,6 +371,36 @@ def apply_update(q: GaussianNat, delta: GaussianNat, max_halvings: int = 30):
     return q.plus(delta.times(s)), s
 
 
+def line_search(
+    q0: GaussianNat,
+    step: GaussianNat,
+    value: Callable,
+    halvings: int = 20,
+    slack: float = 1e-6,
+) -> GaussianNat:
+    """:math:`q_0 + s\\,\\Delta` for the largest :math:`s \\in \\{1, \\frac12, \\dots\\}`
+    (at most ``halvings`` halvings, else :math:`s = 0`) that keeps q valid and
+    ``value(q)`` no lower than ``value(q0)``, up to ``slack`` relative (the value is
+    the natural solver's sigma-point free energy, not exactly its step's objective)."""
+    f0 = value(q0)
+    tolerance = slack * (1.0 + jnp.abs(f0))
+
+    def rejected(s):
+        q = q0.plus(step.times(s))
+        ok = is_valid(q)
+        f = value(jax.tree.map(lambda n, o: jnp.where(ok, n, o), q, q0))
+        better = (f >= f0 - tolerance) | ~jnp.isfinite(f0)
+        return ~(ok & jnp.isfinite(f) & better)
+
+    s, _ = lax.while_loop(
+        lambda c: rejected(c[0]) & (c[1] < halvings),
+        lambda c: (0.5 * c[0], c[1] + 1),
+        (jnp.ones((), q0.h.dtype), 0),
+    )
+    s = jnp.where(rejected(s), 0.0, s)
+    return q0.plus(step.times(s))
+
+
 def guide_params(q: GaussianNat, full: bool) -> dict:
     """:math:`\\eta_q` as the guide's constrained global parameters (``loc``,
     ``scale`` and, for a full-rank family, ``tril``)."""
@@ -393,6 +425,22 @@ def sigma_points(q: GaussianNat) -> jax.Array:
     columns :math:`L_k` of a root of the covariance: exact expectations of polynomials
     of degree up to 3, so of the gradient and Hessian of a quadratic log-likelihood."""
     return _sigma(q)[0]
+
+
+def standard_sigma_points(dim: int, dtype: Any = float) -> jax.Array:
+    """The 2 ``dim`` sigma points of the standard normal, :math:`\\pm\\sqrt{d}\\,e_k`
+    (:func:`sigma_points` of :math:`N(0, I_d)`), shape ``(2 dim, dim)``.
+
+    **Example:**
+
+    .. doctest::
+
+        >>> from numpyro_fed.expfam import standard_sigma_points
+        >>> standard_sigma_points(1).tolist()
+        [[1.0], [-1.0]]
+    """
+    offsets = np.sqrt(dim) * np.eye(dim)
+    return jnp.asarray(np.concatenate([offsets, -offsets]), dtype)
 
 
 # Above this many coordinates "auto" curvature takes Stein's lemma: the Hessian

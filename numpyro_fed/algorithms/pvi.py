@@ -60,9 +60,11 @@ from numpyro_fed.expfam import (
     from_loc_scale,
     guide_params,
     is_valid,
+    line_search,
     log_density,
     prior_summary,
     sigma_points,
+    standard_sigma_points,
     to_moments,
 )
 from numpyro_fed.guard import guard_nonfinite
@@ -72,10 +74,6 @@ from numpyro_fed.util import all_finite, ascent, constrain, tree_where, unconstr
 __all__ = ["pvi"]
 
 _LOG_2PI_E = float(np.log(2 * np.pi) + 1.0)
-# The natural solver's line search: halvings before a step is dropped; the relative
-# fall it tolerates (the sigma-point free energy is not exactly the step's objective).
-_HALVINGS = 20
-_SLACK = 1e-6
 
 
 def pvi(
@@ -99,6 +97,7 @@ def pvi(
     padded: bool = True,
     observed_fn: Callable | None = None,
     cavity: Cavity | None = None,
+    local_quadrature: bool = False,
 ) -> FederatedAlgorithm:
     """
     Build PVI (Bui et al.) as a :class:`~numpyro_fed.FederatedAlgorithm`.
@@ -141,6 +140,11 @@ def pvi(
         log-likelihood (see :func:`~numpyro_fed.densities.silo_log_density`).
     :param Cavity cavity: what the server sends and how a silo forms its cavity
         (default :func:`kl_cavity`, PVI's :math:`q / t_m`).
+    :param bool local_quadrature: ``"natural"`` solver: expectations over the local
+        latents at the sigma points of each unit's local noise (every unit at once:
+        units are conditionally independent, so each needs its own marginal only), in
+        place of ``num_particles`` Monte Carlo draws; the local guide's steps then use
+        the global sigma points too. Deterministic; not for ``local_cov="silo"``.
     :rtype: FederatedAlgorithm
     """
     plate = guide.roles.silo_plate
@@ -194,12 +198,21 @@ def pvi(
         z_g = guide.sample_global(eta_g, guide.global_noise(key))
         return log_lik_at(True, z_g, theta_u, None), z_g
 
+    def local_noises(keys, data: SiloData) -> jax.Array:
+        """The local latents' standard noise to average over, ``(points, units,
+        local_dim)``: one draw per key, or the sigma points (``local_quadrature``)."""
+        if not local_quadrature:
+            return jax.vmap(lambda k: guide.local_noise(k, data.unit_ids))(keys)
+        points = standard_sigma_points(guide.local_dim, dtype)
+        shape = (points.shape[0], data.unit_ids.shape[0], guide.local_dim)
+        return jnp.broadcast_to(points[:, None, :], shape)
+
     def log_lik_at(
-        is_prior: bool, u, theta_u, data, eta_g=None, eta_l_u=None, keys=None
+        is_prior: bool, u, theta_u, data, eta_g=None, eta_l_u=None, noises=None
     ):
         """The (prior or silo) log-likelihood at a fixed global point u. With local
         latents it is the silo's bound :math:`E_{q(z_m|u)}[\\log p(y_m, z_m \\mid u)
-        - \\log q(z_m \\mid u)]`, averaged over the draws of ``keys``."""
+        - \\log q(z_m \\mid u)]`, averaged over the local ``noises``."""
         theta = constrain(theta_c, theta_u)
         values, log_det = guide.constrain_global(u)
         if is_prior:
@@ -210,44 +223,14 @@ def pvi(
         draw = GlobalDraw(u, values, log_det)
         eta_l = constrain(local_c, eta_l_u)
 
-        def one(key):
+        def one(noise):
             terms = silo_terms(
-                model,
-                guide,
-                draw,
-                theta,
-                eta_g,
-                eta_l,
-                key,
-                data,
-                stop=stop,
-                padded=padded,
-                observed_fn=observed_fn,
-            )
+                model, guide, draw, theta, eta_g, eta_l, None, data,
+                stop=stop, padded=padded, observed_fn=observed_fn, noise=noise,
+            )  # fmt: skip
             return terms.log_p - terms.log_q
 
-        return jnp.mean(jax.vmap(one)(keys))
-
-    def line_search(q0: GaussianNat, step: GaussianNat, value: Callable):
-        """q0 + s step for the largest s in {1, 1/2, ...} (else 0) that keeps q valid
-        and ``value`` (the local free energy) no lower, up to round-off."""
-        f0 = value(q0)
-        slack = _SLACK * (1.0 + jnp.abs(f0))
-
-        def rejected(s):
-            q = q0.plus(step.times(s))
-            ok = is_valid(q)
-            f = value(tree_where(ok, q, q0))
-            better = (f >= f0 - slack) | ~jnp.isfinite(f0)
-            return ~(ok & jnp.isfinite(f) & better)
-
-        s, _ = lax.while_loop(
-            lambda c: rejected(c[0]) & (c[1] < _HALVINGS),
-            lambda c: (0.5 * c[0], c[1] + 1),
-            (jnp.ones((), q0.h.dtype), 0),
-        )
-        s = jnp.where(rejected(s), 0.0, s)
-        return q0.plus(step.times(s))
+        return jnp.mean(jax.vmap(one)(noises))
 
     # ------------------------------------------------------ local free energy
     def make_step(is_prior: bool):
@@ -317,13 +300,20 @@ def pvi(
             # silo's bound under the current q, then takes q's damped fixed-point step
             # with the local guide held: both steps are the silo's own size, so many
             # small silos do not add up fixed-size errors (Adam's do).
-            def target(factor, eta_l_u, keys):
+            def expected_loglik(q, eta_l_u, noises):
+                eta_g = to_guide(q)
+                at = lambda u: log_lik_at(
+                    is_prior, u, message.theta, data, eta_g, eta_l_u, noises
+                )
+                return jnp.mean(jax.vmap(at)(sigma_points(q)))
+
+            def target(factor, eta_l_u, noises):
                 q = cav.plus(factor)
                 eta_g = lax.stop_gradient(to_guide(q))
 
                 def loglik(u):
                     return log_lik_at(
-                        is_prior, u, message.theta, data, eta_g, eta_l_u, keys
+                        is_prior, u, message.theta, data, eta_g, eta_l_u, noises
                     )
 
                 grad, hess = expected_derivatives(loglik, q, curvature)
@@ -346,28 +336,33 @@ def pvi(
                     grad + prec * mean + (cav.prec + prec) * (step - jacobi), prec
                 )
 
-            def local_value(q, eta_l_u, keys):
-                eta_g = to_guide(q)
+            def local_value(q, eta_l_u, noises):
+                expected = expected_loglik(q, eta_l_u, noises)
+                return expected + expected_log_factor(cav, q) + entropy(to_guide(q))
 
-                def loglik(u):
-                    return log_lik_at(
-                        is_prior, u, message.theta, data, eta_g, eta_l_u, keys
-                    )
-
-                expected = jnp.mean(jax.vmap(loglik)(sigma_points(q)))
-                return expected + expected_log_factor(cav, q) + entropy(eta_g)
+            # The local guide's objective at the global sigma points (quadrature).
+            sigma_grad = jax.grad(
+                lambda eta_l_u, q, noises: expected_loglik(
+                    lax.stop_gradient(q), eta_l_u, noises
+                )
+            )
 
             def iterate(carry, _):
                 factor, eta_l_u, optim_state, key = carry
                 key, step_key = jax.random.split(key)
                 keys = noise_keys(step_key, num_particles)
+                noises = local_noises(keys, data) if eta_l_u else None
                 if eta_l_u:
                     glob_u = unconstrain(glob_c, to_guide(cav.plus(factor)))
 
                     def guide_step(carry, guide_keys):
                         eta_l_u, optim_state = carry
-                        grads = local_grad(
-                            glob_u, eta_l_u, message.theta, guide_keys, data
+                        grads = (
+                            sigma_grad(eta_l_u, cav.plus(factor), noises)
+                            if local_quadrature
+                            else local_grad(
+                                glob_u, eta_l_u, message.theta, guide_keys, data
+                            )
                         )
                         new_eta, new_optim = ascent(
                             local_optim, grads, optim_state, eta_l_u
@@ -395,8 +390,8 @@ def pvi(
                 # Shortened until the local q is valid and the free energy has not
                 # fallen: a Newton step through a wide q overshoots on log-scales
                 # (radon: precisions of 1e140 after a round, then InvalidCavity).
-                step = target(factor, eta_l_u, keys).minus(factor)
-                value = lambda q: local_value(q, eta_l_u, keys)
+                step = target(factor, eta_l_u, noises).minus(factor)
+                value = lambda q: local_value(q, eta_l_u, noises)
                 q = line_search(cav.plus(factor), step, value)
                 return (q.minus(cav), eta_l_u, optim_state, key), None
 
@@ -413,10 +408,11 @@ def pvi(
         def data_grad_at_points(q, theta_u, eta_l_u, keys, data):
             points = sigma_points(q)
             eta_g = to_guide(q)
+            noises = local_noises(keys, data) if eta_l_u else None
 
             def value(theta_u):
                 at = lambda u: log_lik_at(
-                    is_prior, u, theta_u, data, eta_g, eta_l_u, keys
+                    is_prior, u, theta_u, data, eta_g, eta_l_u, noises
                 )
                 return jnp.mean(jax.vmap(at)(points))
 

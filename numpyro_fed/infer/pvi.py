@@ -1,8 +1,7 @@
 # Copyright Contributors to the numpyro-fed project.
 # SPDX-License-Identifier: Apache-2.0
-"""``PVI`` and ``FedGVI``: NumPyro-style classes over
-:func:`~numpyro_fed.algorithms.pvi.pvi` and
-:func:`~numpyro_fed.algorithms.fedgvi.fedgvi`."""
+"""``PVI``: the NumPyro-style class over :func:`~numpyro_fed.algorithms.pvi.pvi`
+(``FedGVI``, its generalized version, is in :mod:`numpyro_fed.infer.fedgvi`)."""
 
 from typing import Any, Callable, NamedTuple
 import warnings
@@ -13,12 +12,6 @@ import numpy as np
 from numpyro.infer import autoguide
 import optax
 
-from numpyro_fed.algorithms.fedgvi import (
-    beta_divergence_loss,
-    fedgvi,
-    gce_loss,
-    renyi_divergence,
-)
 from numpyro_fed.algorithms.pvi import pvi
 from numpyro_fed.checks import check_count, check_optimizer
 from numpyro_fed.densities import data_template
@@ -28,7 +21,6 @@ from numpyro_fed.expfam import (
     from_loc_scale,
     gaussian_prior,
     guide_params,
-    kl,
 )
 from numpyro_fed.families.structured import AutoGlobalLocalNormal, AutoMeanField
 from numpyro_fed.infer.driver import Driver, FederatedState, RunResult
@@ -38,7 +30,7 @@ from numpyro_fed.infer.vi import local_params, pooled_guide_params
 from numpyro_fed.partition import nested_sizes
 from numpyro_fed.util import constrain
 
-__all__ = ["FedGVI", "InvalidCavity", "PVI", "PVIParams"]
+__all__ = ["InvalidCavity", "PVI", "PVIParams"]
 
 # PVI's schedules are runtimes of the driver: synchronous is the vmapped simulation,
 # sequential and asynchronous are events without and with staleness.
@@ -52,6 +44,12 @@ _SCHEDULES = {
 # Sequential Adam local steps: 200 one-group silos end 7 % too narrow, 2,000 collapse.
 _ADAM_SILOS = 100
 _NATURAL_DAMPING = 0.5  # synchronous, natural solver (measured: docs/pvi.md)
+# Local sigma points cost 2 n_L likelihood evaluations per global sigma point, and the
+# local guide's steps then average over the 2 n_G global sigma points too (one draw
+# before): item-response theory (n_G = 101, n_L = 1) took 12 s a round against 5.
+# Beyond these sizes the default keeps Monte Carlo draws.
+_QUADRATURE_MAX_LOCAL_DIM = 8
+_QUADRATURE_MAX_GLOBAL_DIM = 50
 
 
 class InvalidCavity(ValueError):
@@ -141,7 +139,8 @@ class PVI(Driver):
     :param float max_rejected: stop when a silo's replies were rejected in more than
         this fraction of its rounds (see :class:`~numpyro_fed.infer.driver.Driver`).
     :param float participation: fraction of silos that take part in a round.
-    :param int num_particles: Monte Carlo draws per local step.
+    :param int num_particles: Monte Carlo draws per local step (unused by the
+        ``"natural"`` solver when ``local_quadrature`` is on).
     :param bool analytic_kl: closed-form KL to the cavity (lower variance).
     :param bool stl: sticking-the-landing gradients for Monte Carlo entropy terms.
     :param str local_solver: ``"natural"`` or ``"adam"``. ``"natural"``: the
@@ -160,6 +159,14 @@ class PVI(Driver):
         ``"auto"``: ``"hessian"`` up to 50 global coordinates, ``"stein"`` above.
     :param int local_guide_steps: ``local_solver="natural"``: ``local_optim`` steps of
         the local guide per iteration (1: radon's county effects lag q 50+ rounds).
+    :param bool local_quadrature: ``local_solver="natural"``: expectations over each
+        unit's local latents at the 2 :math:`n_L` sigma points of its noise (exact
+        for a log density quadratic in them) instead of ``num_particles`` Monte Carlo
+        draws, so that a silo's whole solve is deterministic. Default: on for
+        local guides with ``local_cov`` ``"diag"`` or ``"full"``, :math:`n_L \\le 8`
+        local coordinates per unit and :math:`n_G \\le 50` global ones (its cost grows
+        with both). Monte Carlo local solves leave q jittering
+        about, and biased from, central VI's optimum (``docs/pvi.md``).
     :param bool reset_optimizer: ``local_solver="adam"``: a fresh optimizer state each
         round (Adam's moments otherwise remember round 1's large gradients).
     :param hyper_optim: the server's optax optimizer for ``numpyro.param`` sites
@@ -228,6 +235,7 @@ class PVI(Driver):
         local_solver: str | None = None,
         curvature: str = "auto",
         local_guide_steps: int = 10,
+        local_quadrature: bool | None = None,
         reset_optimizer: bool = False,
         hyper_optim: optax.GradientTransformation | None = None,
         max_staleness: int = 2,
@@ -280,6 +288,12 @@ class PVI(Driver):
         self.local_solver = local_solver
         self.curvature = curvature
         self.local_guide_steps = local_guide_steps
+        self.local_quadrature = local_quadrature
+        if local_quadrature and self.guide.local_cov == "silo":
+            raise ValueError(
+                "local_quadrature=True needs local latents independent across units; "
+                "local_cov='silo' correlates them (use local_cov='diag' or 'full')."
+            )
         self.reset_optimizer = reset_optimizer
         # The solver in use: local_solver, or (None) chosen at set-up, once the
         # model's local latent sites are known; an optimizer the user gave is one
@@ -302,6 +316,18 @@ class PVI(Driver):
             return 1.0  # before set-up: the default solver for the optimizer given
         solver = self.solver or ("adam" if self.explicit_optim else "natural")
         return 1.0 / num_silos if solver == "adam" else _NATURAL_DAMPING
+
+    def quadrature(self) -> bool:
+        """Whether the local latents' expectations use sigma points (after set-up)."""
+        if self.solver != "natural" or not self.guide.require_setup().local_sites:
+            return False
+        if self.local_quadrature is not None:
+            return self.local_quadrature
+        return (
+            self.guide.local_cov != "silo"
+            and self.guide.local_dim <= _QUADRATURE_MAX_LOCAL_DIM
+            and self.guide.global_dim <= _QUADRATURE_MAX_GLOBAL_DIM
+        )
 
     # ------------------------------------------------------------ driver hooks
     def _setup(self, data: Any) -> None:
@@ -367,6 +393,7 @@ class PVI(Driver):
             local_solver=self.solver,
             curvature=self.curvature,
             local_guide_steps=self.local_guide_steps,
+            local_quadrature=self.quadrature(),
             reset_optimizer=self.reset_optimizer,
             padded=min(data.sizes) < data.padded_size,
         )
@@ -493,108 +520,3 @@ class PVI(Driver):
         sites in the pooled layout when ``data`` is given (see
         :meth:`~numpyro_fed.SFVI.sample_posterior`)."""
         return sample_structured(self.guide, rng_key, params, data, num_samples)
-
-
-class FedGVI(PVI):
-    """
-    Federated generalized VI with a variational cavity (Patel, 2024) on the PVI
-    machinery (:func:`~numpyro_fed.algorithms.fedgvi.fedgvi`): the same schedules,
-    damping, validity checks and local latents, with
-
-    - a robust loss in place of each observation's log-likelihood (``loss``),
-    - a divergence :math:`D` to the prior (``divergence``) for the server's posterior
-      and for each silo's cavity, which the silo computes from the aggregated
-      :math:`\\sum_k \\eta_k` minus its own factor: the server never sends another
-      silo's factor.
-
-    With ``loss="nll"`` and ``divergence="kl"`` the run is PVI's.
-
-    :param callable model: a federated model.
-    :param guide: as for :class:`~numpyro_fed.PVI`.
-    :param local_optim: each silo's optax optimizer.
-    :param loss: ``"nll"``, ``("gce", gamma)`` (generalized cross-entropy),
-        ``("beta", beta)`` (density power), or a callable ``(site, log_prob) ->
-        value`` applied to each observation's log-likelihood.
-    :param divergence: ``"kl"`` or ``("renyi", alpha)`` with ``alpha`` in (0, 1).
-    :param int cavity_steps: Newton iterations for a non-KL variational cavity.
-    :param kwargs: the remaining :class:`~numpyro_fed.PVI` options.
-
-    **References:**
-
-    1. *Variational cavity for federated generalized variational inference*,
-       Patel (2024).
-
-    **Example:**
-
-    .. doctest::
-
-        >>> import jax, jax.numpy as jnp, optax
-        >>> import numpyro, numpyro.distributions as dist
-        >>> import numpyro_fed as nf
-        >>> def model(x, y=None):
-        ...     w = numpyro.sample("w", dist.Normal(0.0, 1.0))
-        ...     with numpyro.plate("data", x.shape[0]):
-        ...         numpyro.sample("y", dist.Bernoulli(logits=w * x), obs=y)
-        >>> fed = nf.federate(model, silos="data")
-        >>> x = jnp.linspace(-2, 2, 40)
-        >>> data = nf.FederatedData.from_groups(jnp.arange(40) % 4, x=x, y=1.0 * (x > 0))
-        >>> gvi = nf.FedGVI(fed, loss=("gce", 0.5), local_steps=20, schedule="sequential")
-        >>> result = gvi.run(jax.random.key(0), 1, data, progress_bar=False)
-        >>> bool(result.params.eta_global["loc"][0] > 0)
-        True
-        >>> # A Renyi-alpha divergence in place of KL (variational cavity by Newton):
-        >>> renyi = nf.FedGVI(fed, loss=("gce", 0.5), divergence=("renyi", 0.5))
-    """
-
-    def __init__(
-        self,
-        model: Callable,
-        guide: Any = None,
-        local_optim: optax.GradientTransformation | None = None,
-        *,
-        loss: Any = "nll",
-        divergence: Any = "kl",
-        cavity_steps: int = 20,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(model, guide, local_optim, **kwargs)
-        self.loss = _resolve_loss(loss)
-        self.divergence = _resolve_divergence(divergence)
-        self.cavity_steps = check_count("cavity_steps", cavity_steps)
-
-    def _make_algorithm(self, data: Any):
-        return fedgvi(
-            **self._options(data),
-            loss=self.loss,
-            divergence=self.divergence,
-            cavity_steps=self.cavity_steps,
-        )
-
-
-def _resolve_loss(loss: Any) -> Callable | None:
-    if loss == "nll" or loss is None:
-        return None
-    if callable(loss):
-        return loss
-    if isinstance(loss, tuple) and len(loss) == 2:
-        kind, value = loss
-        if kind == "gce":
-            return gce_loss(value)
-        if kind == "beta":
-            return beta_divergence_loss(value)
-    raise ValueError(
-        f"loss must be 'nll', ('gce', gamma), ('beta', beta) or a callable; got "
-        f"{loss!r}."
-    )
-
-
-def _resolve_divergence(divergence: Any) -> Callable:
-    if divergence == "kl":
-        return kl
-    if isinstance(divergence, tuple) and len(divergence) == 2:
-        kind, alpha = divergence
-        if kind == "renyi":
-            return renyi_divergence(alpha)
-    raise ValueError(
-        f"divergence must be 'kl' or ('renyi', alpha); got {divergence!r}."
-    )
