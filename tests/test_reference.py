@@ -252,3 +252,43 @@ def test_full_suite_runs(tmp_path):
     """Every algorithm on every posterior (30-40 minutes on two cores)."""
     record = _suite().main(["--out", str(tmp_path / "suite.json")])
     assert all(v["within"] for v in record["nuts"].values()), record["nuts"]
+
+
+@pytest.mark.parametrize("refit_loss, used", [(9.0, True), (11.0, False)])
+def test_a_cell_that_misses_is_judged_against_a_better_central_refit(
+    monkeypatch, refit_loss, used
+):
+    """A VI cell off its central twin is compared with a central fit started from
+    its own answer, and judged against it only when that fit's loss is lower (the
+    seeds' fit sat at a worse optimum)."""
+    from types import SimpleNamespace
+
+    suite = _suite()
+    rng = np.random.default_rng(0)
+    ref = {"mu": SimpleNamespace(mean=np.zeros(()), sd=np.ones(()))}
+    post = SimpleNamespace(name="toy", reference=ref)
+    draws = {"mu": rng.normal(1.0, 1.0, 4000)}
+    seeds_fit = {"mu": rng.normal(0.0, 1.0, 4000)}
+    refit = {"mu": rng.normal(1.0, 1.0, 4000)}
+    starts = []
+
+    def central_fit(family, post, key, optim, steps, n, start):
+        starts.append(start)
+        return refit, refit_loss
+
+    monkeypatch.setattr(suite.checks, "central_fit", central_fit)
+    record = {"central": {"toy/mean-field": {"loss": 10.0}}}
+    cell = {"finite": True, "warnings": []}
+    cell["central"] = suite.checks.compare_central(draws, seeds_fit, ref)
+    assert not suite.checks.within_tolerance("PVI", cell)[0]
+    settings = {"sfvi_steps": 10}
+    suite._refit_central(
+        cell, draws, "answer", "mean-field", post, jax.random.key(0), settings, record
+    )
+    assert starts == ["answer"]
+    assert cell["central_refit"] == {
+        "loss": refit_loss,
+        "seeds_loss": 10.0,
+        "used": used,
+    }
+    assert suite.checks.verdict("PVI", cell)[0] == ("ok" if used else "FAIL")
