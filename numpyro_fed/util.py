@@ -144,7 +144,10 @@ def unit_normals(key: jax.Array, unit_ids: jax.Array, dim: int) -> jax.Array:
     for are drawn (one threefry block an entry, as the pooled draw spends).
 
     The counters and the bits-to-normal map are JAX's own for its default
-    (partitionable) threefry: entry ``(u, k)`` is counter ``u * dim + k``.
+    (partitionable) threefry: entry ``(u, k)`` is counter ``u * dim + k``. A key of
+    another implementation (``"rbg"``) draws each unit from ``fold_in(key, u)``
+    under a ``vmap``, as before these counters (JAX does not promise such keys the
+    same bits under a ``vmap``, so their draws need not be silo-invariant).
 
     **Example:**
 
@@ -158,8 +161,16 @@ def unit_normals(key: jax.Array, unit_ids: jax.Array, dim: int) -> jax.Array:
         True
     """
     dtype = jnp.zeros((), float).dtype
-    if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-        key = jax.random.key_data(key)
+    words = (
+        jax.random.key_data(key)
+        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+        else key
+    )
+    if words.shape != (2,):  # not a threefry key: one folded key a unit instead
+        return jax.vmap(
+            lambda u: jax.random.normal(jax.random.fold_in(key, u), (dim,))
+        )(jnp.ravel(unit_ids)).reshape((*jnp.shape(unit_ids), dim))
+    key = words
     hi, lo = _counter_words(jnp.asarray(unit_ids)[..., None], dim)
     k1, k2 = (jnp.broadcast_to(word, hi.shape) for word in key)
     b1, b2 = threefry2x32_p.bind(k1, k2, hi, lo)

@@ -93,3 +93,14 @@ def test_counter_words_are_the_64_bit_counter(dim):
     )
     np.testing.assert_array_equal(np.asarray(hi), counters >> np.uint64(32))
     np.testing.assert_array_equal(np.asarray(lo), counters & np.uint64(2**32 - 1))
+
+
+def test_unit_normals_take_a_non_threefry_key():
+    # An "rbg" key has four words: each unit draws from its own folded key (the
+    # draws before the counters), in the rows' layout.
+    key = jax.random.key(3, impl="rbg")
+    ids = jnp.array([[4, 0], [9, 2]])
+    rows = unit_normals(key, ids, 3)
+    assert rows.shape == (2, 2, 3) and bool(jnp.all(jnp.isfinite(rows)))
+    folded = jax.vmap(lambda u: jax.random.normal(jax.random.fold_in(key, u), (3,)))
+    np.testing.assert_array_equal(rows, folded(ids.ravel()).reshape(2, 2, 3))
