@@ -39,11 +39,11 @@ def main(args):
     import numpy as np
     import numpyro.distributions as dist
 
-    def scanned(f, length=args.scan_length):
+    def scanned(f, length=args.scan_length, options=None):
         def many(x):
             return jax.lax.scan(lambda c, _: (f(c), None), x, None, length=length)
 
-        return jax.jit(many)
+        return jax.jit(many, compiler_options=options)
 
     rng = np.random.default_rng(0)
     flat = jnp.asarray(rng.normal(size=20000), jnp.float32)
@@ -93,6 +93,29 @@ def main(args):
         f"end to end {1e6 * t_flat / args.scan_length:.1f} us, vmapped "
         f"{1e6 * t_vmap / args.scan_length:.1f} us ({t_vmap / t_flat:.2f}x)"
     )
+
+    # An elementwise operation fused with a reduction (a log density summed over
+    # units): jax 0.12's XLA:CPU hands such fusions to YNNPACK, which runs them
+    # several times slower over a trailing axis of size 1 (a local latent of a plate
+    # at dim=-2 has shape (units, 1)) than over the same numbers as one axis.
+    log_sum = lambda x: x + 1e-7 * jnp.sum(jnp.log(x))  # noqa: E731
+    scales = jnp.asarray(rng.uniform(1.0, 2.0, size=5000), jnp.float32)
+    dots_only = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
+    try:
+        scanned(log_sum, options=dots_only)(scales)
+    except jax.errors.JaxRuntimeError as error:  # another XLA: no such option
+        print("YNNPACK fusions: option not available here:", str(error)[:120])
+        return
+    cases = [(s, o) for s in [(5000,), (5000, 1)] for o in (None, dots_only)]
+    times = interleaved_times(
+        [scanned(log_sum, options=options) for _, options in cases],
+        [scales.reshape(shape) for shape, _ in cases],
+        args.repeats,
+    )
+    print("sum(log x) over 5,000 float32 numbers, microseconds:")
+    for (shape, options), t in zip(cases, times, strict=True):
+        fusions = "YNNPACK fusions for dots only" if options else "default fusions"
+        print(f"  {str(shape):>10} {fusions:>30} {1e6 * t / args.scan_length:8.1f}")
 
 
 def count_instructions(dump):
