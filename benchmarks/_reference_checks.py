@@ -7,9 +7,11 @@ library's warnings raised during a cell, and the table's rows."""
 from pathlib import Path
 
 import jax
+from jax.flatten_util import ravel_pytree
 import numpy as np
 from numpyro.diagnostics import effective_sample_size
 from numpyro.infer import SVI, Predictive, Trace_ELBO
+import optax
 
 import numpyro_fed as nf
 from numpyro_fed.infer.vi import pooled_guide_params
@@ -38,6 +40,10 @@ _SUITE = str(Path(__file__).parent)
 
 CENTRAL_SEEDS = 3  # central fits per (posterior, family); the lowest final loss is kept
 MC_STANDARD_ERRORS = 4  # the Monte Carlo allowance, in standard errors of a difference
+# converged_fit: fixed noise draws of its sample-average ELBO, with a cap on draws
+# times entries of the pooled data (the cost of one evaluation).
+SAA_DRAWS, SAA_MIN_DRAWS, SAA_BUDGET = 8000, 1000, 40_000_000
+SAA_MAX_ITERATIONS, SAA_RESTARTS = 500, 10
 
 
 def central_fit(family, post, key, optim, num_steps, num_samples, start):
@@ -67,7 +73,51 @@ def central_fit(family, post, key, optim, num_steps, num_samples, start):
     draws = Predictive(guide, params=best[0], num_samples=num_samples)(
         draw_key, **pooled
     )
-    return {k: np.asarray(draws[k]) for k in post.reference}, best[1]
+    return {k: np.asarray(draws[k]) for k in post.reference}, best[1], best[0]
+
+
+def converged_fit(family, post, key, params, num_samples):
+    """``family``'s pooled ELBO converged from ``params`` (NumPyro guide
+    parameters): BFGS on the sample-average ELBO, ``Trace_ELBO`` at
+    :func:`saa_draws` fixed noise draws from ``key``, so the objective is
+    deterministic and the optimizer stops at its optimum, not at Adam's noise floor.
+    Draws of the global sites, the converged objective (a negative ELBO), the
+    parameters and whether BFGS ended with success. On radon (85 county silos,
+    mean-field) the suite's annealed Adam fits stopped 0.30 reference sds from this
+    optimum in ``county_effect_scale``, a flat direction, while two such optima from
+    different draw sets (8,000 each) agreed to 0.025 sds."""
+    guide = GUIDES[family](post.fed_model)
+    pooled = post.data.pooled()
+    init_key, fixed_key, draw_key = jax.random.split(key, 3)
+    svi = SVI(post.fed_model, guide, optax.sgd(0.0), Trace_ELBO())
+    state = svi.init(init_key, init_params=params, **pooled)
+    flat, unravel = ravel_pytree(svi.optim.get_params(state.optim_state))
+    elbo = Trace_ELBO(num_particles=saa_draws(post))
+
+    @jax.jit
+    def objective(x):
+        constrained = svi.constrain_fn(unravel(x))
+        return elbo.loss(fixed_key, constrained, post.fed_model, guide, **pooled)
+
+    for _ in range(SAA_RESTARTS):  # a failed line search restarts from where it stopped
+        found = jax.scipy.optimize.minimize(
+            objective, flat, method="BFGS", options={"maxiter": SAA_MAX_ITERATIONS}
+        )
+        flat = found.x
+        if found.success:
+            break
+    best = svi.constrain_fn(unravel(found.x))
+    draws = Predictive(guide, params=best, num_samples=num_samples)(draw_key, **pooled)
+    draws = {k: np.asarray(draws[k]) for k in post.reference}
+    return draws, float(found.fun), best, bool(found.success)
+
+
+def saa_draws(post):
+    """Noise draws of :func:`converged_fit`'s objective: ``SAA_DRAWS``, fewer where
+    the data are large (at most ``SAA_BUDGET`` draws times entries of the pooled
+    data), never below ``SAA_MIN_DRAWS``."""
+    entries = sum(int(np.size(v)) for v in jax.tree.leaves(post.data.pooled()))
+    return int(max(SAA_MIN_DRAWS, min(SAA_DRAWS, SAA_BUDGET // max(entries, 1))))
 
 
 def compare_central(draws, central, reference):

@@ -41,10 +41,13 @@ fitted centrally, with one rule for every posterior:
 - *both fits converged*: the optimizer's schedule anneals to 1e-2 / 1024 (below),
   so that two runs differing only in their seed agree to Monte Carlo level; centred
   eight schools still has local optima 2.5 sd apart, so the central fit is the
-  lowest final loss of ``CENTRAL_SEEDS`` (3) seeds (once per posterior and family),
-  and a VI cell that misses it is judged against a central fit started from the
-  cell's own answer when that fit ends at a lower loss (the seeds' fit was then at a
-  worse optimum; the cell's ``central_refit`` records both losses);
+  lowest final loss of ``CENTRAL_SEEDS`` (3) seeds (once per posterior and family).
+  Annealed Adam still stops short in flat directions (radon's
+  ``county_effect_scale``: 0.30 reference sds from the optimum), so a VI cell that
+  misses its twin is judged against the family's optimum itself: the pooled ELBO
+  converged by BFGS on fixed noise draws (``checks.converged_fit``) from the twin's
+  answer and from the cell's, the better of the two (a lower objective; the cell's
+  ``central_refit`` records both);
 - *a derived Monte Carlo allowance*: each global coordinate's ``|mean_fed -
   mean_central|`` and ``|sd_fed - sd_central|`` (in reference sds) less 4 standard
   errors of that difference between the two sets of 16,000 independent draws
@@ -140,6 +143,7 @@ import optax  # noqa: E402
 
 import numpyro_fed as nf  # noqa: E402
 from numpyro_fed import expfam, reference, sgld_diagnostics  # noqa: E402
+from numpyro_fed.infer.vi import pooled_guide_params  # noqa: E402
 from numpyro_fed.potentials import federated_potential  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "reference"
@@ -333,7 +337,7 @@ def _central(cache, family, post, key, settings, record):
     if (post.name, family) not in cache:
         begin = time.perf_counter()
         try:
-            draws, loss = checks.central_fit(
+            draws, loss, params = checks.central_fit(
                 family,
                 post,
                 key,
@@ -342,6 +346,7 @@ def _central(cache, family, post, key, settings, record):
                 NUM_DRAWS,
                 cache["start"][(post.name, family)],
             )
+            cache["params"][(post.name, family)] = params
             entry = {"score": reference.score(draws, post.reference), "loss": loss}
         except Exception as err:  # the VI cells of this family then read n/a
             draws = None
@@ -352,25 +357,32 @@ def _central(cache, family, post, key, settings, record):
     return cache[(post.name, family)]
 
 
-def _refit_central(cell, draws, params, family, post, key, settings, record):
-    """A VI cell that misses its central twin: fit ``family`` centrally again, from
-    the federated answer. If that fit ends at a lower loss than the seeds' best, the
-    seeds' fit sat at a worse local optimum (centred eight schools has several), and
-    the cell is judged against the better one (``cell["central_refit"]`` records both
-    losses and which was used)."""
-    seeds_loss = record["central"][f"{post.name}/{family}"].get("loss")
+def _refit_central(cell, draws, params, family, post, key, record, cache):
+    """A VI cell that misses its central twin: is the twin at the family's optimum?
+    The pooled ELBO is converged (:func:`checks.converged_fit`, BFGS on fixed draws)
+    from the twin's answer and from the cell's, and the cell is judged against the
+    better of the two optima (the lower converged objective): Adam's annealed
+    schedule stops short in flat directions (radon's ``county_effect_scale``: 0.30
+    reference sds), and centred eight schools has several optima.
+    ``cell["central_refit"]`` records both objectives and which optimum was used."""
+    fitted = {}
     try:
-        refit, loss = checks.central_fit(
-            family, post, key, _adam(settings["sfvi_steps"]), settings["sfvi_steps"],
-            NUM_DRAWS, params,
-        )  # fmt: skip
+        for name, start in (
+            ("central", cache["params"][(post.name, family)]),
+            ("answer", pooled_guide_params(params, post.data)),
+        ):
+            fitted[name] = checks.converged_fit(family, post, key, start, NUM_DRAWS)
     except Exception as err:  # noqa: BLE001 - the seeds' fit then stands
         cell["central_refit"] = {"error": f"{type(err).__name__}: {err}"[:160]}
         return
-    used = seeds_loss is not None and loss < seeds_loss
-    cell["central_refit"] = {"loss": loss, "seeds_loss": seeds_loss, "used": used}
-    if used:
-        cell["central"] = checks.compare_central(draws, refit, post.reference)
+    used = min(fitted, key=lambda name: fitted[name][1])
+    cell["central_refit"] = {
+        "objective": {name: fit[1] for name, fit in fitted.items()},
+        "converged": {name: fit[3] for name, fit in fitted.items()},
+        "draws": checks.saa_draws(post),
+        "used": used,
+    }
+    cell["central"] = checks.compare_central(draws, fitted[used][0], post.reference)
 
 
 def main(argv=None):
@@ -413,7 +425,7 @@ def main(argv=None):
         "sgld_sd_ratio": checks.SGLD_SD_RATIO,
     }
     record["nuts"], record["central"], record["runs"] = {}, {}, {}
-    rows, cache = [], {"start": {}}
+    rows, cache = [], {"start": {}, "params": {}}
     start_all = time.perf_counter()
     print(checks.HEADER, flush=True)
     for name in args.posteriors:
@@ -456,7 +468,7 @@ def main(argv=None):
                     )
                     if not checks.within_tolerance(algorithm, cell)[0]:
                         _refit_central(cell, draws, params, family, post, central_key,
-                                       settings, record)  # fmt: skip
+                                       record, cache)  # fmt: skip
             cell["verdict"], cell["reason"] = checks.verdict(algorithm, cell)
             record["runs"][f"{name}/{algorithm}"] = cell
             rows.append(checks.row(name, algorithm, cell))
