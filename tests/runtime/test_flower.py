@@ -5,6 +5,7 @@ runtime/simulate.py gives with the same keys (float tolerance; runtime/groups.py
 vertical SFVI, whose parties are silos of different structure; runtime/events.py for
 PVI's asynchronous schedule), with the silo states kept on the nodes."""
 
+import functools
 import os
 import zlib
 
@@ -35,8 +36,10 @@ EVENTS = "pvi_asynchronous"
 NAMES = sorted(CASES) + [EVENTS]
 
 
+@functools.cache
 def _fit(name):
-    """``(federation, each silo's data, reference data, groups)`` of a fit."""
+    """``(federation, each silo's data, reference data, groups)`` of a fit, built
+    once per process (an actor serves every node's messages)."""
     if name == EVENTS:
         fed, data = pvi_asynchronous()
         stacked = silo_data_of(data)
