@@ -364,7 +364,11 @@ def _refit_central(cell, draws, params, family, post, key, record, cache):
     better of the two optima (the lower converged objective): Adam's annealed
     schedule stops short in flat directions (radon's ``county_effect_scale``: 0.30
     reference sds), and centred eight schools has several optima.
-    ``cell["central_refit"]`` records both objectives and which optimum was used."""
+    ``cell["central_refit"]`` records both objectives and which optimum was used, or
+    that the data were too large for it (the twin then stands)."""
+    if checks.saa_draws(post) is None:
+        cell["central_refit"] = {"skipped": "too much data for a converged fit"}
+        return
     fitted = {}
     try:
         for name, start in (

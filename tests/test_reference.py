@@ -343,3 +343,22 @@ def test_converged_fit_reaches_the_mean_field_optimum():
     assert abs(float(params["_fed_global_loc"][0]) - mean) < 4 * sd / np.sqrt(8000)
     assert abs(float(params["_fed_global_scale"][0]) / sd - 1) < 4 / np.sqrt(2 * 8000)
     assert abs(draws["mu"].mean() - mean) < 4 * sd / np.sqrt(16000) + 4 * sd / 90
+
+
+def test_a_cell_on_too_much_data_keeps_its_central_twin(monkeypatch):
+    """Where even the fewest fixed draws would not fit in memory (item-response
+    theory), nothing is converged and the cell stays judged against its twin."""
+    from types import SimpleNamespace
+
+    suite = _suite()
+    monkeypatch.setattr(suite.checks, "saa_draws", lambda post: None)
+    monkeypatch.setattr(
+        suite.checks, "converged_fit", lambda *a: pytest.fail("converged anyway")
+    )
+    cell = {"central": "twin"}
+    post = SimpleNamespace(name="toy")
+    suite._refit_central(cell, {}, None, "mean-field", post, None, {}, {})
+    assert cell == {
+        "central": "twin",
+        "central_refit": {"skipped": "too much data for a converged fit"},
+    }
