@@ -357,7 +357,7 @@ def _central(cache, family, post, key, settings, record):
     return cache[(post.name, family)]
 
 
-def _refit_central(cell, draws, params, family, post, key, record, cache):
+def _refit_central(cell, draws, params, family, post, key, cache):
     """A VI cell that misses its central twin: is the twin at the family's optimum?
     The pooled ELBO is converged (:func:`checks.converged_fit`, BFGS on fixed draws)
     from the twin's answer and from the cell's, and the cell is judged against the
@@ -472,7 +472,7 @@ def main(argv=None):
                     )
                     if not checks.within_tolerance(algorithm, cell)[0]:
                         _refit_central(cell, draws, params, family, post, central_key,
-                                       record, cache)  # fmt: skip
+                                       cache)  # fmt: skip
             cell["verdict"], cell["reason"] = checks.verdict(algorithm, cell)
             record["runs"][f"{name}/{algorithm}"] = cell
             rows.append(checks.row(name, algorithm, cell))

@@ -292,7 +292,7 @@ def test_a_cell_that_misses_is_judged_against_the_better_converged_optimum(
     assert not suite.checks.within_tolerance("PVI", cell)[0]
     cache = {"params": {("toy", "mean-field"): "twin params"}}
     suite._refit_central(
-        cell, draws, "answer", "mean-field", post, jax.random.key(0), {}, cache
+        cell, draws, "answer", "mean-field", post, jax.random.key(0), cache
     )
     assert starts == ["twin params", "answer params"]
     assert cell["central_refit"] == {
@@ -357,7 +357,7 @@ def test_a_cell_on_too_much_data_keeps_its_central_twin(monkeypatch):
     )
     cell = {"central": "twin"}
     post = SimpleNamespace(name="toy")
-    suite._refit_central(cell, {}, None, "mean-field", post, None, {}, {})
+    suite._refit_central(cell, {}, None, "mean-field", post, None, {})
     assert cell == {
         "central": "twin",
         "central_refit": {"skipped": "too much data for a converged fit"},
