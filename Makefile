@@ -42,9 +42,9 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q $(XDIST) -m slow
 
-# Flower's simulation engine with nodes that crash, straggle, send NaN or malformed
-# replies and resume (one simulation, about a minute); the equivalence of every
-# algorithm on Flower with the simulator is in the default run.
+# Flower's simulation engine: every algorithm against the one-process runtimes, and
+# nodes that crash, straggle, send NaN or malformed replies and resume (two
+# simulations, about two minutes); the codec and remote halves are in the default run.
 .PHONY: test-flower
 test-flower: $(STAMP)
 	$(PY) -m pytest -q -m flower tests/runtime

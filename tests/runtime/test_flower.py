@@ -109,6 +109,9 @@ def flower_runs():
     return runs
 
 
+# One Flower simulation for every algorithm: a minute, most of it Ray starting and the
+# engine polling, so it runs with the fault simulations (`make test-flower`, in CI).
+@pytest.mark.flower
 @pytest.mark.parametrize("name", NAMES)
 def test_flower_simulation_equals_simulate(flower_runs, name):
     run = flower_runs[name]
