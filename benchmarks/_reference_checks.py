@@ -94,10 +94,10 @@ def converged_fit(family, post, key, params, num_samples):
     svi = SVI(post.fed_model, guide, optax.sgd(0.0), Trace_ELBO())
     state = svi.init(init_key, init_params=params, **pooled)
     flat, unravel = ravel_pytree(svi.optim.get_params(state.optim_state))
-    draws = saa_draws(post)
-    if draws is None:
+    num_draws = saa_draws(post)
+    if num_draws is None:
         raise ValueError(f"{post.name}: too much data for a converged fit in memory.")
-    elbo = Trace_ELBO(num_particles=draws)
+    elbo = Trace_ELBO(num_particles=num_draws)
 
     @jax.jit
     def objective(x):

@@ -366,7 +366,8 @@ def _refit_central(cell, draws, params, family, post, key, cache):
     reference sds), and centred eight schools has several optima.
     ``cell["central_refit"]`` records both objectives and which optimum was used, or
     that the data were too large for it (the twin then stands)."""
-    if checks.saa_draws(post) is None:
+    num_draws = checks.saa_draws(post)
+    if num_draws is None:
         cell["central_refit"] = {"skipped": "too much data for a converged fit"}
         return
     fitted = {}
@@ -383,7 +384,7 @@ def _refit_central(cell, draws, params, family, post, key, cache):
     cell["central_refit"] = {
         "objective": {name: fit[1] for name, fit in fitted.items()},
         "converged": {name: fit[3] for name, fit in fitted.items()},
-        "draws": checks.saa_draws(post),
+        "draws": num_draws,
         "used": used,
     }
     cell["central"] = checks.compare_central(draws, fitted[used][0], post.reference)
