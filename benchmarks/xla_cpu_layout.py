@@ -10,7 +10,8 @@ are ``(5000, 4)``: the same 20,000 numbers. This script times one elementwise fu
 (``softplus``, the Bernoulli log-density's costly part) on the same numbers in several
 shapes, and the GLMM's Bernoulli log-likelihood with its gradient computed vmapped
 over silos and on the units laid end to end, each inside one compiled ``lax.scan``
-(no dispatch), interleaved in one process.
+(no dispatch), interleaved in one process; then a local latent's whole chain
+(``numpyro_fed.util.constrain_flat`` says why the library computes it as one axis).
 
 With ``--dump DIR`` it also writes XLA's compiled kernels (``--xla_dump_to``) and,
 where ``objdump`` exists, counts the softplus kernel's packed (``...ps``) and scalar
@@ -92,6 +93,46 @@ def main(args):
         "Bernoulli log-likelihood and gradient, 1000 silos x 5 children x 4 visits: "
         f"end to end {1e6 * t_flat / args.scan_length:.1f} us, vmapped "
         f"{1e6 * t_vmap / args.scan_length:.1f} us ({t_vmap / t_flat:.2f}x)"
+    )
+
+    # A local latent's whole chain, as an SFVI silo term computes it: softplus
+    # scale, the draw, the GLMM's likelihood and prior, log q (stopped parameters),
+    # and the gradient with respect to loc and scale. Parameters kept as (units, 1)
+    # against reshaped to (units,) first (the model still reads (units, 1)).
+    N = J * U
+    eps = jnp.asarray(rng.normal(size=N), jnp.float32)
+
+    def local_elbo(params, flat):
+        loc, raw = params
+        if flat:
+            loc, raw = loc.reshape(-1), raw.reshape(-1)
+        scale = jax.nn.softplus(raw)
+        z = loc + scale * eps.reshape(loc.shape)
+        b = z.reshape(N, 1)
+        log_p = likelihood(beta, b, X, y) + jnp.sum(dist.Normal(0, 1).log_prob(b))
+        stopped = jax.lax.stop_gradient((loc, scale))
+        log_q = jnp.sum(dist.Normal(*stopped).log_prob(z))
+        return log_p - log_q
+
+    def chain_step(flat):
+        grad_local = jax.grad(local_elbo)
+
+        def step(params):
+            g_loc, g_raw = grad_local(params, flat)
+            return params[0] + 1e-6 * g_loc, params[1] + 1e-6 * g_raw
+
+        return step
+
+    column = (jnp.zeros((N, 1), jnp.float32), jnp.zeros((N, 1), jnp.float32))
+    t_column, t_flat = interleaved_times(
+        [scanned(chain_step(False)), scanned(chain_step(True))],
+        [column, column],
+        args.repeats,
+    )
+    print(
+        "a local latent's chain and its gradient, 5,000 units: as (5000, 1) "
+        f"{1e6 * t_column / args.scan_length:.1f} us, reshaped to (5000,) first "
+        f"{1e6 * t_flat / args.scan_length:.1f} us"
     )
 
     # An elementwise operation fused with a reduction (a log density summed over

@@ -1,17 +1,22 @@
 # Copyright Contributors to the numpyro-fed project.
 # SPDX-License-Identifier: Apache-2.0
 """The shared helpers: ``rmatvec`` (summed by columns for small matrices, a dot for
-large ones, the same product either way) and ``unit_normals`` (rows of one pooled
-normal draw)."""
+large ones, the same product either way), ``unit_normals`` (rows of one pooled
+normal draw) and ``constrain_flat`` / ``flat_barrier`` (the same values, computed as
+one axis)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from numpyro.distributions import constraints
 import pytest
 
 from numpyro_fed.util import (
     RMATVEC_COLUMN_SUM_MAX,
     _counter_words,
+    constrain,
+    constrain_flat,
+    flat_barrier,
     rmatvec,
     unit_normals,
 )
@@ -104,3 +109,24 @@ def test_unit_normals_take_a_non_threefry_key():
     assert rows.shape == (2, 2, 3) and bool(jnp.all(jnp.isfinite(rows)))
     folded = jax.vmap(lambda u: jax.random.normal(jax.random.fold_in(key, u), (3,)))
     np.testing.assert_array_equal(rows, folded(ids.ravel()).reshape(2, 2, 3))
+
+
+def test_constrain_flat_is_constrain():
+    # softplus_positive and real act entry by entry (computed as one axis);
+    # simplex maps each row (kept in its shape): every value equals constrain's.
+    rng = np.random.default_rng(0)
+    values = {
+        "scale": jnp.asarray(rng.normal(size=(7, 1))),
+        "loc": jnp.asarray(rng.normal(size=(7, 3))),
+        "weights": jnp.asarray(rng.normal(size=(7, 3))),
+    }
+    spec = {
+        "scale": constraints.softplus_positive,
+        "loc": constraints.real,
+        "weights": constraints.simplex,
+    }
+    flat = constrain_flat(spec, values)
+    for name, expected in constrain(spec, values).items():
+        assert flat[name].shape == expected.shape, name
+        np.testing.assert_array_equal(flat[name], expected, err_msg=name)
+    np.testing.assert_array_equal(jax.jit(flat_barrier)(values["loc"]), values["loc"])

@@ -412,7 +412,10 @@ class AutoGlobalLocalNormal(AutoGuide):
             eps = jnp.einsum("uij,uj->ui", unit_tril(eta_l["tril"]), eps)
         if "silo_tril" in eta_l:
             eps = (unit_tril(eta_l["silo_tril"]) @ eps.reshape(-1)).reshape(eps.shape)
-        return self._local_mean(eta_g, eta_l, z_g) + eta_l["scale"] * eps
+        mean = self._local_mean(eta_g, eta_l, z_g)
+        # As one axis: see numpyro_fed.util.constrain_flat.
+        flat = mean.reshape(-1) + eta_l["scale"].reshape(-1) * eps.reshape(-1)
+        return flat.reshape(eps.shape)
 
     def log_q_local(self, eta_g, eta_l, z_g, z_l, mask=None) -> jax.Array:
         """Per-unit :math:`\\log q(z_{L} \\mid z_G)`, shape ``(units,)``. With
@@ -422,21 +425,21 @@ class AutoGlobalLocalNormal(AutoGuide):
         leaves out padded coordinates of ragged nested plates; pass ``eta_l`` through
         :meth:`restrict_local` first so that they do not condition the real ones."""
         mean = self._local_mean(eta_g, eta_l, z_g)
-        if "silo_tril" in eta_l:
-            flat = None if mask is None else mask.reshape(-1)
-            terms = gaussian_log_density_terms(
-                z_l.reshape(-1),
-                mean.reshape(-1),
-                eta_l["scale"].reshape(-1),
-                eta_l["silo_tril"],
+        if "tril" in eta_l:
+            return jax.vmap(gaussian_log_density)(
+                z_l, mean, eta_l["scale"], eta_l["tril"], mask
             )
-            if flat is not None:
-                terms = jnp.where(flat, terms, 0.0)
-            return terms.reshape(z_l.shape).sum(-1)
-        tril = eta_l.get("tril")
-        if tril is None:
-            return gaussian_log_density(z_l, mean, eta_l["scale"], None, mask)
-        return jax.vmap(gaussian_log_density)(z_l, mean, eta_l["scale"], tril, mask)
+        # The units' coordinates as one axis (numpyro_fed.util.constrain_flat says
+        # why); with "silo_tril" they are one Gaussian vector.
+        terms = gaussian_log_density_terms(
+            z_l.reshape(-1),
+            mean.reshape(-1),
+            eta_l["scale"].reshape(-1),
+            eta_l.get("silo_tril"),
+        )
+        if mask is not None:
+            terms = jnp.where(mask.reshape(-1), terms, 0.0)
+        return terms.reshape(z_l.shape).sum(-1)
 
     # ------------------------------------------------------------ NumPyro guide
     def _setup_from_call(self, args: tuple, kwargs: dict) -> None:
