@@ -123,7 +123,7 @@ def bench(num_silos, units_per_silo, repeats, scan_length, guide="structured"):
     many = interleaved_times(
         [scanned(f, scan_length) for f in steps],
         states,
-        max(repeats // scan_length, 5),
+        repeats,
     )
     many = [t / scan_length for t in many]
     load = os.getloadavg()[0]

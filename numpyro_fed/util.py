@@ -158,11 +158,22 @@ def _counter_words(unit_ids: jax.Array, dim: int) -> tuple[jax.Array, jax.Array]
     return (high >> 16) + carries, lo
 
 
+def key_batch_shape(key: jax.Array) -> tuple:
+    """How many keys ``key`` holds: a typed key array's shape, a raw ``uint32`` key
+    array's shape less its last axis (the key's words)."""
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    return key.shape if typed else key.shape[:-1]
+
+
 def unit_normals(key: jax.Array, unit_ids: jax.Array, dim: int) -> jax.Array:
     """Standard normal rows ``(*unit_ids.shape, dim)``: the row of unit ``u`` is row
     ``u`` of ``jax.random.normal(key, (n, dim))`` for any ``n`` above the largest id,
     so a unit draws the same noise whichever silo holds it, and only the rows asked
-    for are drawn (one threefry block an entry, as the pooled draw spends).
+    for are drawn (one threefry block an entry, as the pooled draw spends). ``key``
+    may also be an array of keys, one for each index of the leading
+    ``key.ndim`` axes of ``unit_ids`` (one a silo): the same rows as a ``vmap``
+    over them, computed on all the entries as one axis (the reason of
+    :func:`constrain_flat`).
 
     The counters and the bits-to-normal map are JAX's own for its default
     (partitionable) threefry: entry ``(u, k)`` is counter ``u * dim + k``. A key of
@@ -182,18 +193,25 @@ def unit_normals(key: jax.Array, unit_ids: jax.Array, dim: int) -> jax.Array:
         True
     """
     dtype = jnp.zeros((), float).dtype
-    words = (
-        jax.random.key_data(key)
-        if jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
-        else key
-    )
-    if words.shape != (2,):  # not a threefry key: one folded key a unit instead
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    words = jax.random.key_data(key) if typed else key
+    batch = key_batch_shape(key)
+    if words.shape != (*batch, 2):  # not a threefry key: one folded key a unit
+        if batch:
+            return jax.vmap(unit_normals, in_axes=(0, 0, None))(key, unit_ids, dim)
         return jax.vmap(
             lambda u: jax.random.normal(jax.random.fold_in(key, u), (dim,))
         )(jnp.ravel(unit_ids)).reshape((*jnp.shape(unit_ids), dim))
-    key = words
-    hi, lo = _counter_words(jnp.asarray(unit_ids)[..., None], dim)
-    k1, k2 = (jnp.broadcast_to(word, hi.shape) for word in key)
+    shape = (*jnp.shape(unit_ids), dim)
+    hi, lo = (
+        w.reshape(-1) for w in _counter_words(jnp.asarray(unit_ids)[..., None], dim)
+    )
+    k1, k2 = (
+        jnp.broadcast_to(
+            words[..., i].reshape(batch + (1,) * (len(shape) - len(batch))), shape
+        ).reshape(-1)
+        for i in range(2)
+    )
     b1, b2 = threefry2x32_p.bind(k1, k2, hi, lo)
     if dtype == jnp.float64:
         bits = (b1.astype(jnp.uint64) << 32) | b2.astype(jnp.uint64)
@@ -206,4 +224,4 @@ def unit_normals(key: jax.Array, unit_ids: jax.Array, dim: int) -> jax.Array:
     floats = jax.lax.bitcast_convert_type(mantissa, dtype) - np.array(1.0, dtype)
     low_end = np.nextafter(np.array(-1.0, dtype), np.array(0.0, dtype))
     u = jnp.maximum(low_end, floats * (np.array(1.0, dtype) - low_end) + low_end)
-    return jnp.sqrt(np.array(2.0, dtype)) * jax.lax.erf_inv(u)
+    return (jnp.sqrt(np.array(2.0, dtype)) * jax.lax.erf_inv(u)).reshape(shape)

@@ -130,3 +130,15 @@ def test_constrain_flat_is_constrain():
         assert flat[name].shape == expected.shape, name
         np.testing.assert_array_equal(flat[name], expected, err_msg=name)
     np.testing.assert_array_equal(jax.jit(flat_barrier)(values["loc"]), values["loc"])
+
+
+@pytest.mark.parametrize("impl", ["threefry2x32", "rbg"])
+def test_unit_normals_of_one_key_a_silo_are_the_vmap(impl):
+    keys = jax.random.split(jax.random.key(3, impl=impl), 4)
+    ids = jnp.arange(12).reshape(4, 3)[:, ::-1]
+    batched = unit_normals(keys, ids, 2)
+    looped = jax.vmap(unit_normals, in_axes=(0, 0, None))(keys, ids, 2)
+    assert batched.shape == (4, 3, 2)
+    np.testing.assert_array_equal(batched, looped)
+    if impl == "threefry2x32":  # JAX promises rbg keys no vmap-invariant bits
+        np.testing.assert_array_equal(batched[1], unit_normals(keys[1], ids[1], 2))

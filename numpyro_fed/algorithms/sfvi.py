@@ -245,7 +245,7 @@ def sfvi(
         eta_l = constrain_flat(local_constraints, jax.tree.map(end_to_end, eta_l_u))
 
         def particle(draw, silo_keys):
-            noise = jax.vmap(guide.local_noise)(silo_keys, data.unit_ids)
+            noise = guide.local_noise(silo_keys, data.unit_ids)
             terms = silo_terms(
                 model, guide, draw, theta, eta_g, eta_l, None, units,
                 stop=stop, noise=end_to_end(noise),

@@ -42,7 +42,7 @@ from numpyro_fed.partition import (
     init_values,
     site_specs,
 )
-from numpyro_fed.util import unit_normals
+from numpyro_fed.util import key_batch_shape, unit_normals
 
 __all__ = ["AutoMeanField", "AutoGlobalLocalNormal"]
 
@@ -385,8 +385,13 @@ class AutoGlobalLocalNormal(AutoGuide):
     def local_noise(self, key: jax.Array, unit_ids: jax.Array) -> jax.Array:
         """:math:`\\epsilon_L` of the given units: unit ``i`` always gets the same draw
         from the same key, whichever silo holds it (row ``i`` of one pooled draw,
-        :func:`~numpyro_fed.util.unit_normals`)."""
-        return unit_normals(jax.random.fold_in(key, 1), unit_ids, self.local_dim)
+        :func:`~numpyro_fed.util.unit_normals`); ``key`` may be one key a silo
+        (the leading axis of ``unit_ids``), as a ``vmap`` over silos would draw."""
+        fold = jax.random.fold_in
+        key = (
+            jax.vmap(fold, (0, None))(key, 1) if key_batch_shape(key) else fold(key, 1)
+        )
+        return unit_normals(key, unit_ids, self.local_dim)
 
     # ----------------------------------------------------- sampling, densities
     def sample_global(self, eta_g: dict, eps: jax.Array) -> jax.Array:
@@ -431,12 +436,8 @@ class AutoGlobalLocalNormal(AutoGuide):
             )
         # The units' coordinates as one axis (numpyro_fed.util.constrain_flat says
         # why); with "silo_tril" they are one Gaussian vector.
-        terms = gaussian_log_density_terms(
-            z_l.reshape(-1),
-            mean.reshape(-1),
-            eta_l["scale"].reshape(-1),
-            eta_l.get("silo_tril"),
-        )
+        z, loc, scale = (a.reshape(-1) for a in (z_l, mean, eta_l["scale"]))
+        terms = gaussian_log_density_terms(z, loc, scale, eta_l.get("silo_tril"))
         if mask is not None:
             terms = jnp.where(mask.reshape(-1), terms, 0.0)
         return terms.reshape(z_l.shape).sum(-1)
