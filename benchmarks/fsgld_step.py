@@ -195,7 +195,7 @@ def main():
     jax.config.update("jax_enable_x64", True)
 
     silos = (10,) if args.quick else (10, 100)
-    costs = [step_cost(j, repeats=5 if args.quick else args.repeats) for j in silos]
+    costs = [step_cost(j, repeats=args.repeats) for j in silos]
     print(
         "\nStep cost (microseconds per step; ratio to plain SGLD on the same batch size)"
     )
