@@ -28,8 +28,13 @@ __all__ = [
 
 def all_finite(tree: Any) -> jax.Array:
     """Whether every floating leaf of ``tree`` is finite (a scalar boolean)."""
+    # x * 0 is 0 where x is finite and NaN where not, so its sum is finite exactly
+    # when every entry is (no overflow). Unlike a reduce_and of isfinite, XLA does
+    # not spend seconds constant-folding it over a (silos, ...) broadcast of a
+    # constant (a gradient that is zero by structure): a million silos' first
+    # round compiled in 30 s with it.
     checks = [
-        jnp.all(jnp.isfinite(x))
+        jnp.isfinite(jnp.sum(x * 0))
         for x in jax.tree.leaves(tree)
         if jnp.issubdtype(jnp.result_type(x), jnp.inexact)
     ]

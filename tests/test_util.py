@@ -14,6 +14,7 @@ import pytest
 from numpyro_fed.util import (
     RMATVEC_COLUMN_SUM_MAX,
     _counter_words,
+    all_finite,
     constrain,
     constrain_flat,
     flat_barrier,
@@ -142,3 +143,13 @@ def test_unit_normals_of_one_key_a_silo_are_the_vmap(impl):
     np.testing.assert_array_equal(batched, looped)
     if impl == "threefry2x32":  # JAX promises rbg keys no vmap-invariant bits
         np.testing.assert_array_equal(batched[1], unit_normals(keys[1], ids[1], 2))
+
+
+def test_all_finite_is_exact():
+    big = jnp.full((3, 4), jnp.finfo(jnp.float32).max, jnp.float32)  # sums overflow
+    assert bool(all_finite({"a": big, "ids": jnp.arange(3)}))
+    for bad in (jnp.inf, -jnp.inf, jnp.nan):
+        tree = {"a": big, "b": jnp.zeros(5).at[2].set(bad)}
+        assert not bool(all_finite(tree)), bad
+        assert not bool(jax.jit(all_finite)(tree)), bad
+    assert bool(all_finite({}))
