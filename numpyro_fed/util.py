@@ -15,6 +15,9 @@ __all__ = [
     "all_finite",
     "ascent",
     "constrain",
+    "constrain_flat",
+    "flat_barrier",
+    "key_batch_shape",
     "rmatvec",
     "rows_where",
     "stack",
@@ -175,8 +178,8 @@ def unit_normals(key: jax.Array, unit_ids: jax.Array, dim: int) -> jax.Array:
     ``u`` of ``jax.random.normal(key, (n, dim))`` for any ``n`` above the largest id,
     so a unit draws the same noise whichever silo holds it, and only the rows asked
     for are drawn (one threefry block an entry, as the pooled draw spends). ``key``
-    may also be an array of keys, one for each index of the leading
-    ``key.ndim`` axes of ``unit_ids`` (one a silo): the same rows as a ``vmap``
+    may also be an array of keys (:func:`key_batch_shape`), one for each index of
+    as many leading axes of ``unit_ids`` (one a silo): the same rows as a ``vmap``
     over them, computed on all the entries as one axis (the reason of
     :func:`constrain_flat`).
 
