@@ -11,7 +11,7 @@ are ``(5000, 4)``: the same 20,000 numbers. This script times one elementwise fu
 shapes, and the GLMM's Bernoulli log-likelihood with its gradient computed vmapped
 over silos and on the units laid end to end, each inside one compiled ``lax.scan``
 (no dispatch), interleaved in one process; then a local latent's whole chain
-(``numpyro_fed.util.constrain_flat`` says why the library computes it as one axis).
+(``numpyro_fed.util.constrain`` says why the library computes it as one axis).
 
 With ``--dump DIR`` it also writes XLA's compiled kernels (``--xla_dump_to``) and,
 where ``objdump`` exists, counts the softplus kernel's packed (``...ps``) and scalar

@@ -15,7 +15,6 @@ __all__ = [
     "all_finite",
     "ascent",
     "constrain",
-    "constrain_flat",
     "flat_barrier",
     "key_batch_shape",
     "rmatvec",
@@ -122,28 +121,24 @@ def ascent(
 
 
 def constrain(constraints: dict, values: dict) -> dict:
-    """Map unconstrained ``values`` into their sites' ``constraints``."""
-    return {k: biject_to(constraints[k])(v) for k, v in values.items()}
-
-
-def constrain_flat(constraints: dict, values: dict) -> dict:
-    """:func:`constrain` on each elementwise-constrained array as one axis, reshaped
-    back: XLA:CPU runs an elementwise fusion over ``(units, 1)`` arrays (one local
-    coordinate a unit) in scalar code, several times slower than over the same
-    numbers as ``(units,)`` (``benchmarks/xla_cpu_layout.py``)."""
+    """Map unconstrained ``values`` into their sites' ``constraints``. An
+    elementwise transform runs on the array as one axis, reshaped back: XLA:CPU
+    runs an elementwise fusion over ``(units, 1)`` arrays (one local coordinate a
+    unit) in scalar code, several times slower than over the same numbers as
+    ``(units,)`` (``benchmarks/xla_cpu_layout.py``)."""
 
     def one(k, v):
         bijection = biject_to(constraints[k])
         if bijection.domain.event_dim or bijection.codomain.event_dim:
             return bijection(v)
-        return bijection(v.reshape(-1)).reshape(v.shape)
+        return bijection(jnp.reshape(v, -1)).reshape(jnp.shape(v))
 
     return {k: one(k, v) for k, v in values.items()}
 
 
 def flat_barrier(x: jax.Array) -> jax.Array:
     """``jax.lax.optimization_barrier`` on ``x`` as one axis (for the reason of
-    :func:`constrain_flat`: what it materializes is then laid out as a vector)."""
+    :func:`constrain`: what it materializes is then laid out as a vector)."""
     return jax.lax.optimization_barrier(x.reshape(-1)).reshape(x.shape)
 
 
@@ -181,7 +176,7 @@ def unit_normals(key: jax.Array, unit_ids: jax.Array, dim: int) -> jax.Array:
     may also be an array of keys (:func:`key_batch_shape`), one for each index of
     as many leading axes of ``unit_ids`` (one a silo): the same rows as a ``vmap``
     over them, computed on all the entries as one axis (the reason of
-    :func:`constrain_flat`).
+    :func:`constrain`).
 
     The counters and the bits-to-normal map are JAX's own for its default
     (partitionable) threefry: entry ``(u, k)`` is counter ``u * dim + k``. A key of

@@ -36,7 +36,6 @@ from numpyro_fed.protocol import (
 from numpyro_fed.util import (
     ascent,
     constrain,
-    constrain_flat,
     rows_where,
     tree_where,
     unconstrain,
@@ -187,7 +186,7 @@ def sfvi(
     def silo_value(shared, eta_l_u, keys, data: SiloData):
         """The silo's ELBO term, averaged over the particles."""
         theta, eta_g, draws = shared
-        eta_l = constrain_flat(local_constraints, eta_l_u)
+        eta_l = constrain(local_constraints, eta_l_u)
 
         def particle(draw, key):
             terms = silo_terms(
@@ -242,7 +241,7 @@ def sfvi(
             end_to_end(data.mask & contacted[:, None]),
             end_to_end(data.unit_ids),
         )
-        eta_l = constrain_flat(local_constraints, jax.tree.map(end_to_end, eta_l_u))
+        eta_l = constrain(local_constraints, jax.tree.map(end_to_end, eta_l_u))
 
         def particle(draw, silo_keys):
             noise = guide.local_noise(silo_keys, data.unit_ids)

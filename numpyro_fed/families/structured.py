@@ -418,7 +418,7 @@ class AutoGlobalLocalNormal(AutoGuide):
         if "silo_tril" in eta_l:
             eps = (unit_tril(eta_l["silo_tril"]) @ eps.reshape(-1)).reshape(eps.shape)
         mean = self._local_mean(eta_g, eta_l, z_g)
-        # As one axis: see numpyro_fed.util.constrain_flat.
+        # As one axis: see numpyro_fed.util.constrain.
         flat = mean.reshape(-1) + eta_l["scale"].reshape(-1) * eps.reshape(-1)
         return flat.reshape(eps.shape)
 
@@ -434,7 +434,7 @@ class AutoGlobalLocalNormal(AutoGuide):
             return jax.vmap(gaussian_log_density)(
                 z_l, mean, eta_l["scale"], eta_l["tril"], mask
             )
-        # The units' coordinates as one axis (numpyro_fed.util.constrain_flat says
+        # The units' coordinates as one axis (numpyro_fed.util.constrain says
         # why); with "silo_tril" they are one Gaussian vector.
         z, loc, scale = (a.reshape(-1) for a in (z_l, mean, eta_l["scale"]))
         terms = gaussian_log_density_terms(z, loc, scale, eta_l.get("silo_tril"))
