@@ -244,8 +244,3 @@ class VerticalFamily:
         loc = u + rho * out[..., 0]
         scale = rho * jax.nn.softplus(out[..., 1] + _SOFTPLUS_INV_1)
         return dist.Normal(loc, scale)
-
-
-def num_params(raw: Any) -> int:
-    """Number of scalars in a parameter pytree."""
-    return int(sum(np.prod(jnp.shape(x)) for x in jax.tree.leaves(raw)))

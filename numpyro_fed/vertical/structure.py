@@ -8,7 +8,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from numpyro import handlers
 from numpyro.distributions import biject_to, constraints
 from numpyro.infer.inspect import get_dependencies
@@ -277,9 +276,3 @@ def owner_log_density(
     seeded = handlers.seed(handlers.substitute(model, data=values), jax.random.key(0))
     tr = handlers.trace(seeded).get_trace(**arrays)
     return sum_log_probs(tr, lambda site: (party_of(site) or SERVER) == owner)
-
-
-def num_rows_in_batch(structure: VerticalStructure) -> int:
-    """Rows per round (the subsample size, or all rows)."""
-    shape = next(iter(structure.z_shape.values()))
-    return int(np.prod(shape[:1]))
