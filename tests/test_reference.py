@@ -248,6 +248,7 @@ def test_only_the_librarys_warnings_count():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3 * 3600)  # the project's 900 s default cut it short
 def test_full_suite_runs(tmp_path):
     """Every algorithm on every posterior (30-40 minutes on two cores)."""
     record = _suite().main(["--out", str(tmp_path / "suite.json")])

@@ -514,7 +514,13 @@ class VerticalSFVI(Driver):
             SERVER: info.server_elbo,
             **dict(zip(self._bound.parties, info.party_elbo, strict=True)),
         }
-        bad = sorted(o for o, v in elbos.items() if not np.isfinite(float(v)))
+        # The guard drops a party's non-finite reply (its ELBO then reads as 0), so
+        # a rejected party is one whose term is not finite too.
+        rejected = np.asarray(info.rejected).reshape(-1)
+        bad = sorted(
+            {o for o, v in elbos.items() if not np.isfinite(float(v))}
+            | {p for p, r in zip(self._bound.parties, rejected, strict=True) if r}
+        )
         if bad:
             raise VerticalModelError(
                 f"The ELBO term of {bad} is not finite on its owner's own view of the "
