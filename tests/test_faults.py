@@ -170,7 +170,9 @@ def test_vertical_party_fault_moves_no_one_and_is_named():
     named."""
     data = fx.gaussian_data()
     bad = _vertical("b", max_rejected=None)
-    state = bad.init(jax.random.key(0), data)
+    # The party fails once the run is under way: init refuses a party whose first
+    # reply is not finite (test_vertical_sfvi's T9).
+    state = _vertical().init(jax.random.key(0), data)
     with pytest.warns(UserWarning, match=r"party 'b' \(2 of 2 rounds\)"):
         result = bad.run(
             jax.random.key(1), 2, data, init_state=state, progress_bar=False
@@ -181,6 +183,13 @@ def test_vertical_party_fault_moves_no_one_and_is_named():
     bad.max_rejected = 0.25  # the default: the same fault now stops the run
     with pytest.raises(SiloFailure, match="replies of party 'b' were"):
         bad.run(jax.random.key(1), 2, data, init_state=state, progress_bar=False)
+
+
+def test_vertical_party_that_fails_at_init_is_refused_by_name():
+    """A party whose first reply is not finite stops ``init`` with its name, before
+    any run, whether it reads data it does not hold (T9) or its step fails."""
+    with pytest.raises(nf.VerticalModelError, match=r"ELBO term of \['b'\]"):
+        _vertical("b").init(jax.random.key(0), fx.gaussian_data())
 
 
 # ------------------------------------------------------------------ FSGLD / DSGLD

@@ -524,8 +524,9 @@ class VerticalSFVI(Driver):
         if bad:
             raise VerticalModelError(
                 f"The ELBO term of {bad} is not finite on its owner's own view of the "
-                "data at initialization: it reads arrays, latents or contributions its "
-                "owner does not hold (or the model is invalid at the prior's center)."
+                "data at initialization (or its reply was rejected as not finite): it "
+                "reads arrays, latents or contributions its owner does not hold, or "
+                "the model is invalid at the prior's center."
             )
         self.messages.clear()
         return state
