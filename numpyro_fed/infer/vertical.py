@@ -510,17 +510,12 @@ class VerticalSFVI(Driver):
         )
         self.messages.clear()
         _, info = self.update_with_info(state, data)
-        elbos = {
-            SERVER: info.server_elbo,
-            **dict(zip(self._bound.parties, info.party_elbo, strict=True)),
-        }
-        # The guard drops a party's non-finite reply (its ELBO then reads as 0), so
-        # a rejected party is one whose term is not finite too.
+        # The guard rejects a party's non-finite reply (its ELBO then reads as 0):
+        # the rejection, not the ELBO, names the party.
         rejected = np.asarray(info.rejected).reshape(-1)
-        bad = sorted(
-            {o for o, v in elbos.items() if not np.isfinite(float(v))}
-            | {p for p, r in zip(self._bound.parties, rejected, strict=True) if r}
-        )
+        bad = [p for p, r in zip(self._bound.parties, rejected, strict=True) if r]
+        if not np.isfinite(float(info.server_elbo)):
+            bad = sorted(bad + [SERVER])
         if bad:
             raise VerticalModelError(
                 f"The ELBO term of {bad} is not finite on its owner's own view of the "
